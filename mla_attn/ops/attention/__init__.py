@@ -1,0 +1,3 @@
+from .api import attention
+
+__all__ = ["attention"]

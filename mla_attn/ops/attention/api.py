@@ -1,0 +1,72 @@
+"""Public full-sequence attention op: validation and dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from .._common import check_dim, check_float, check_same_device, check_same_dtype, resolve_impl
+from .reference import attention_reference
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              impl: str = "auto"):
+    """Full-sequence attention for training and prefill (PyTorch SDPA layout).
+
+    Args:
+        q: ``[B, Hq, M, Dqk]`` float16 / bfloat16 / float32.
+        k: ``[B, Hkv, N, Dqk]``, same dtype; ``Hq % Hkv == 0`` and query head h reads KV head
+            ``h // (Hq // Hkv)`` (MHA: Hkv = Hq, MQA: Hkv = 1).
+        v: ``[B, Hkv, N, Dv]``; Dv may differ from Dqk (MLA expanded: 192 / 128).
+        causal: mask aligned to the bottom right: query row i sees keys ``j <= i + N - M``.
+            With M = 2, N = 5 (a cached prefix of 3)::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            With M = 5, N = 2 the first three rows see no key and return 0 (lse = -inf)::
+
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+        scale: score scale, default ``Dqk ** -0.5``.
+        return_lse: also return the log-sum-exp of the scaled scores, ``[B, Hq, M]`` float32.
+        impl: ``"auto"`` (Triton on CUDA tensors, reference elsewhere), ``"triton"`` or ``"reference"``.
+
+    Returns:
+        ``o [B, Hq, M, Dv]`` in q's dtype, and ``lse`` when ``return_lse``. Differentiable in q, k, v.
+
+    Example:
+        >>> import torch, mla_attn
+        >>> q = torch.randn(1, 8, 5, 64); k = torch.randn(1, 2, 7, 64); v = torch.randn(1, 2, 7, 32)
+        >>> mla_attn.attention(q, k, v, causal=True).shape
+        torch.Size([1, 8, 5, 32])
+    """
+    check_dim("q", q, (4,), "[B, Hq, M, Dqk]")
+    check_dim("k", k, (4,), "[B, Hkv, N, Dqk]")
+    check_dim("v", v, (4,), "[B, Hkv, N, Dv]")
+    check_float("q", q)
+    check_same_dtype("q", q, k=k, v=v)
+    check_same_device("q", q, k=k, v=v)
+    b, hq, _, dqk = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must share [B, Hkv, N]: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[-1] != dqk:
+        raise ValueError(f"k's head dim must equal q's (Dqk): q {tuple(q.shape)}, k {tuple(k.shape)}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q's heads (Hq={hq}) must be a multiple of k's heads (Hkv={hkv}): "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if scale is None:
+        scale = dqk ** -0.5
+    which = resolve_impl(impl, q, k, v, op="attention")
+    if which == "triton":
+        from .function import flash_attention
+
+        o, lse = flash_attention(q, k, v, bool(causal), float(scale))
+    else:
+        o, lse = attention_reference(q, k, v, causal=bool(causal), scale=float(scale))
+    return (o, lse) if return_lse else o
