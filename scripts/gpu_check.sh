@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine: the GPU tests, the benchmarks and the demo on the GPU.
+#   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
+# Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
+# OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+{
+  date -u +"date: %Y-%m-%d %H:%M UTC"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'sms', torch.cuda.get_device_properties(0).multi_processor_count)"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+step() {  # step NAME COMMAND...: run, log, remember failure, keep going
+  local name=$1; shift
+  echo "== $name"
+  local t0=$SECONDS
+  "$@" || { echo "!! $name failed"; status=1; }
+  echo "== $name took $((SECONDS - t0)) s"
+}
+step "gpu tests" bash -c "$PY -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tee '$out/gpu_tests.log' | tail -25; exit \${PIPESTATUS[0]}"
+if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
+  step "bench attention" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
+fi
+if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
+  step "bench decode" $PY scripts/bench_decode.py --out "$out/bench_decode.md"
+fi
+step "demo on cuda" bash -c "$PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
+echo "gpu_check status: $status"
+exit $status
