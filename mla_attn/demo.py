@@ -2,7 +2,7 @@
 with the absorbed path, is checked against the expanded (training) path, and reports a table.
 
     python -m mla_attn                      # embedded DeepSeek-V2-Lite shape, 4 layers, CPU-sized
-    python -m mla_attn --config configs/deepseek-v3.json --layers 2 --device cuda
+    python -m mla_attn --config configs/DeepSeek-V3.json --layers 2 --device cuda
 """
 
 from __future__ import annotations
@@ -130,15 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mla_attn demo: {name}; {args.layers} of {total_layers} layers; batch {b}; prompt {p}; "
           f"{t} new tokens; {device.type} {str(dtype).replace('torch.', '')}; "
           f"{'paged cache, page ' + str(page_size) if page_size else 'contiguous cache'}\n")
-    elem = torch.finfo(dtype).bits // 8
-    print(f"| KV cache per token ({str(dtype).replace('torch.', '')}) | bytes / layer | MiB / token, "
-          f"{total_layers} layers | vs MLA |")
+    elem = 2  # serving stores the cache in bf16 whatever this run computes in
+    print(f"| KV cache per token (bf16) | bytes / layer | KiB / token, {total_layers} layers | vs MLA |")
     print("|---|---:|---:|---:|")
     rows = cache_bytes_per_token(config, elem)
     mla_bytes = list(rows.values())[-1]
     for label, nbytes in rows.items():
-        print(f"| {label} | {nbytes:,} | {nbytes * total_layers / 2**20:.3f} | {nbytes / mla_bytes:.1f}x |")
-    print(f"| measured: this run's latent cache buffers | {measured:,.0f} | | |")
+        print(f"| {label} | {nbytes:,} | {nbytes * total_layers / 2**10:,.1f} | {nbytes / mla_bytes:.1f}x |")
+    values = measured / torch.finfo(dtype).bits * 8
+    print(f"| measured: this run's cache buffers hold {values:,.0f} values / token / layer | "
+          f"{values * elem:,.0f} | | |")
     print()
     print("| check / speed | value |")
     print("|---|---:|")
