@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "convert":
         from .convert.cli import main as convert_main
 
-        return convert_main(argv[1:])
+        return convert_main(argv[1:], prog="mla-attn convert")
     if argv and argv[0] == "demo":
         argv = argv[1:]
     if argv and not argv[0].startswith("-") and argv[0] not in ("demo",):

@@ -1,6 +1,7 @@
 """Test set-up: Triton's interpreter on machines without CUDA, the `gpu` marker, seeded RNG."""
 
 import os
+import zlib
 
 import torch
 
@@ -25,5 +26,5 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed(request):
     # A fresh but reproducible stream per test: different tests draw different inputs.
-    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
