@@ -22,11 +22,15 @@ def _triton_importable() -> bool:
     return True
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def resolve_impl(impl: str, *tensors: torch.Tensor | None, op: str) -> str:
     """Turn ``impl`` into ``"triton"`` or ``"reference"``.
 
-    ``auto`` picks Triton when every tensor is on CUDA (and Triton imports), the reference
-    elsewhere. ``triton`` raises where it cannot run; it never falls back silently.
+    ``auto`` picks Triton when every tensor is on CUDA in a kernel dtype (fp16, bf16, fp32) and
+    Triton imports, the reference elsewhere (float64 included). ``triton`` raises where it cannot
+    run; it never falls back silently.
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
@@ -34,8 +38,13 @@ def resolve_impl(impl: str, *tensors: torch.Tensor | None, op: str) -> str:
         return "reference"
     present = [t for t in tensors if t is not None]
     on_cuda = bool(present) and all(t.is_cuda for t in present)
+    kernel_dtype = all(t.dtype in KERNEL_DTYPES for t in present if t.is_floating_point())
     if impl == "auto":
-        return "triton" if on_cuda and _triton_importable() else "reference"
+        return "triton" if on_cuda and kernel_dtype and _triton_importable() else "reference"
+    if not kernel_dtype:
+        dtypes = sorted({str(t.dtype) for t in present if t.is_floating_point()})
+        raise ValueError(f"{op}: impl='triton' runs fp16, bf16 and fp32 tensors, got {dtypes}; "
+                         "use impl='reference' for float64")
     if not _triton_importable():
         raise RuntimeError(f"{op}: impl='triton' needs the triton package, which is not importable")
     if not on_cuda and not triton_interpreting():

@@ -95,3 +95,10 @@ def test_impl_choice_is_explicit(monkeypatch):
         attention(q, k, v, impl="triton")
     # auto on CPU tensors is the reference path, whatever the interpreter setting
     torch.testing.assert_close(attention(q, k, v), attention(q, k, v, impl="reference"))
+
+
+def test_float64_goes_to_reference_under_auto_and_is_refused_by_triton():
+    q = torch.randn(1, 2, 4, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="impl='triton' runs fp16, bf16 and fp32"):
+        attention(q, q, q, impl="triton")
+    torch.testing.assert_close(attention(q, q, q), attention(q, q, q, impl="reference"))

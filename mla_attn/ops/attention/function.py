@@ -1,0 +1,83 @@
+"""Autograd and torch.library wrappers around the Triton flash attention launchers.
+
+Tiers (as in FLA): kernels + launchers (triton_fwd.py, triton_bwd.py) -> custom ops
+``mla_attn::flash_attn_fwd`` / ``mla_attn::flash_attn_bwd`` (opaque to torch.compile, with fake
+implementations for tracing) -> ``FlashAttnFunction`` (autograd) -> ``flash_attention`` (autocast)
+-> the public ``mla_attn.ops.attention`` (validation and dispatch, api.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .triton_bwd import flash_attn_bwd
+from .triton_fwd import flash_attn_fwd
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    # The kernels take any strides but need unit stride along the head dim; copy only otherwise.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op("mla_attn::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return flash_attn_fwd(_unit_last(q), _unit_last(k), _unit_last(v), causal, scale)
+
+
+@_flash_attn_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    b, hq, m, _ = q.shape
+    return q.new_empty((b, hq, m, v.shape[-1])), q.new_empty((b, hq, m), dtype=torch.float32)
+
+
+@torch.library.custom_op("mla_attn::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return flash_attn_bwd(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
+                          o.contiguous(), lse.contiguous(), causal, scale)
+
+
+@_flash_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """o, lse = FlashAttnFunction.apply(q, k, v, causal, scale); gradients flow to q, k, v only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = torch.ops.mla_attn.flash_attn_fwd(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.mla_attn.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Triton flash attention (inputs already validated by api.py).
+
+    q [B, Hq, M, Dqk], k [B, Hkv, N, Dqk], v [B, Hkv, N, Dv] (Hq % Hkv == 0, kv_head = q_head // (Hq // Hkv)),
+    any strides. Returns o [B, Hq, M, Dv] in q.dtype and lse float32 [B, Hq, M] (natural log, not
+    differentiable). Causal is aligned bottom-right: query row i sees keys j <= i + N - M; a row that sees
+    no key gives o = 0, lse = -inf and zero gradients. Under autocast the inputs are cast to the autocast
+    dtype first (as ``torch.amp.custom_fwd(cast_inputs=...)`` would), so the kernel runs in fp16/bf16.
+    """
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton attention kernels take fp16, bf16 or fp32; got q {q.dtype} "
+                         f"{tuple(q.shape)} (use impl='reference' for float64)")
+    return FlashAttnFunction.apply(q, k, v, bool(causal), float(scale))

@@ -1,0 +1,396 @@
+"""Flash attention backward: Triton kernels and their launcher.
+
+Three launches, none with atomics, so results are bitwise reproducible:
+
+1. ``_bwd_preprocess``: delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]   (float32).
+2. ``_bwd_dkdv_kernel``: one program per (key block, batch * KV head). It keeps its K/V tiles and
+   the dK/dV accumulators in registers and loops over the ``group`` query heads that share the KV
+   head and over their query blocks, recomputing P^T from the saved LSE. GQA/MQA gradients are
+   thus summed inside one program: no per-query-head partial buffer, no reduction pass.
+3. ``_bwd_dq_kernel``: one program per (query block, batch * query head), streaming key blocks.
+
+With P = exp(S - lse), dP = dO V^T, dS = P * (dP - delta): dV = P^T dO, dK = scale * dS^T Q,
+dQ = scale * dS K. Rows that saw no key (lse = -inf) are read as lse = +inf, so P = 0 there and
+their gradients are 0. Causal alignment is bottom-right, as in the forward (triton_fwd.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_fwd
+from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim
+
+
+# Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
+# (triton 3.6, bf16, see README.md). The dK/dV pass owns BLOCK_N keys; the dQ pass owns BLOCK_M rows.
+def _dkdv_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, int, int]:
+    if _interpreting():
+        return 16, 32, 4, 1
+    width = max(dqk_tiles, dv_tile)
+    if width <= 192:
+        return 64, 128, 8, 3
+    return 16, 32, 8, 1
+
+
+def _dq_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, int, int]:
+    if _interpreting():
+        return 32, 16, 4, 1
+    width = max(dqk_tiles, dv_tile)
+    if width <= 192:
+        return 128, 64, 8, 3
+    return 32, 16, 8, 1
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H_Q, M,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = pid_bh // H_Q
+    i_h = pid_bh % H_Q
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < M) & (offs_d[None, :] < D_V)
+    O += i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+    DO += i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
+    b_o = tl.load(O + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    b_do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
+    tl.store(DELTA + pid_bh.to(tl.int64) * M + offs_m, b_delta, mask=offs_m < M)
+
+
+@triton.jit
+def _load_lse2(LSE, offs, M):
+    # Natural-log LSE -> log2 units; rows with no visible key (-inf) and rows past M read as +inf,
+    # which makes their P exactly 0.
+    b_lse = tl.load(LSE + offs, mask=offs < M, other=float("-inf"))
+    return tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk0, dk1, dv, k0, k1, v,
+    Q, DO, LSE, DELTA,
+    stride_qm, stride_qd, stride_dom, stride_dod,
+    offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+    lo, hi, M, causal_shift, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        o_m = start_m + offs_mb  # [BLOCK_M]
+        m_m = o_m < M
+        b_q0 = tl.load(Q + o_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+                       mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_M, BLOCK_DQK0]
+        b_sT = tl.dot(k0, tl.trans(b_q0), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        if BLOCK_DQK1 > 0:
+            b_q1 = tl.load(Q + o_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+                           mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
+            b_sT += tl.dot(k1, tl.trans(b_q1), input_precision=DOT_PREC)
+        b_lse2 = _load_lse2(LSE, o_m, M)
+        b_pT = tl.math.exp2(b_sT * qk_scale - b_lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            b_pT = tl.where(offs_n[:, None] <= o_m[None, :] + causal_shift, b_pT, 0.0)
+        b_do = tl.load(DO + o_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                       mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
+        dv = tl.dot(b_pT.to(b_do.dtype), b_do, dv, input_precision=DOT_PREC)
+        b_delta = tl.load(DELTA + o_m, mask=m_m, other=0.0)
+        b_dpT = tl.dot(v, tl.trans(b_do), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        b_dsT = (b_pT * (b_dpT - b_delta[None, :])).to(b_q0.dtype)
+        dk0 = tl.dot(b_dsT, b_q0, dk0, input_precision=DOT_PREC)
+        if BLOCK_DQK1 > 0:
+            dk1 = tl.dot(b_dsT, b_q1, dk1, input_precision=DOT_PREC)
+    return dk0, dk1, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H_Q, H_KV, M, N, causal_shift, qk_scale, scale,
+    GROUP: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = pid_bh // H_KV
+    i_hk = pid_bh % H_KV
+    K += i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
+    V += i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
+    DK += i_b.to(tl.int64) * stride_dkb + i_hk.to(tl.int64) * stride_dkh
+    DV += i_b.to(tl.int64) * stride_dvb + i_hk.to(tl.int64) * stride_dvh
+
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_dq0 = tl.arange(0, BLOCK_DQK0)
+    offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_n = offs_n < N
+
+    # K/V tiles of this program's keys stay in registers: [BLOCK_N, BLOCK_DQK0], [BLOCK_N, BLOCK_DV].
+    k0 = tl.load(K + offs_n[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
+                 mask=m_n[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)
+    if BLOCK_DQK1 > 0:
+        k1 = tl.load(K + offs_n[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
+                     mask=m_n[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
+    else:
+        k1 = k0
+    v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    dk0 = tl.zeros([BLOCK_N, BLOCK_DQK0], dtype=tl.float32)
+    dk1 = tl.zeros([BLOCK_N, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    m_end = tl.cdiv(M, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # Rows i >= start_n - shift see key start_n; rows i >= start_n + BLOCK_N - 1 - shift see
+        # every key of the block.
+        lo = tl.minimum((tl.maximum(start_n - causal_shift, 0) // BLOCK_M) * BLOCK_M, m_end)
+        full = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M, m_end)
+        full = tl.maximum(full, lo)
+    else:
+        lo = 0
+        full = 0
+
+    for g in range(GROUP):
+        i_hq = i_hk * GROUP + g
+        Qg = Q + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
+        DOg = DO + i_b.to(tl.int64) * stride_dob + i_hq.to(tl.int64) * stride_doh
+        row = (i_b * H_Q + i_hq).to(tl.int64) * M
+        if CAUSAL:
+            dk0, dk1, dv = _dkdv_inner(
+                dk0, dk1, dv, k0, k1, v, Qg, DOg, LSE + row, DELTA + row,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+                lo, full, M, causal_shift, qk_scale,
+                D_QK, D_V, BLOCK_DQK1, True, BLOCK_M, DOT_PREC,
+            )
+        dk0, dk1, dv = _dkdv_inner(
+            dk0, dk1, dv, k0, k1, v, Qg, DOg, LSE + row, DELTA + row,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+            full, m_end, M, causal_shift, qk_scale,
+            D_QK, D_V, BLOCK_DQK1, False, BLOCK_M, DOT_PREC,
+        )
+
+    dk0 = dk0 * scale
+    tl.store(DK + offs_n[:, None] * stride_dkn + offs_dq0[None, :], dk0.to(DK.dtype.element_ty),
+             mask=m_n[:, None] & (offs_dq0[None, :] < D_QK))
+    if BLOCK_DQK1 > 0:
+        dk1 = dk1 * scale
+        tl.store(DK + offs_n[:, None] * stride_dkn + offs_dq1[None, :], dk1.to(DK.dtype.element_ty),
+                 mask=m_n[:, None] & (offs_dq1[None, :] < D_QK))
+    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=m_n[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _dq_inner(
+    dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+    K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+    lo, hi, N, causal_shift, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK1: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + offs_nb  # [BLOCK_N]
+        m_n = o_n < N
+        b_k0 = tl.load(K + o_n[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
+                       mask=m_n[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_N, BLOCK_DQK0]
+        b_s = tl.dot(q0, tl.trans(b_k0), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_DQK1 > 0:
+            b_k1 = tl.load(K + o_n[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
+                           mask=m_n[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
+            b_s += tl.dot(q1, tl.trans(b_k1), input_precision=DOT_PREC)
+        b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
+        if MASKED:
+            visible = m_n[None, :]
+            if CAUSAL:
+                visible = visible & (o_n[None, :] <= offs_m[:, None] + causal_shift)
+            b_p = tl.where(visible, b_p, 0.0)
+        b_v = tl.load(V + o_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                      mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k0.dtype)
+        dq0 = tl.dot(b_ds, b_k0, dq0, input_precision=DOT_PREC)
+        if BLOCK_DQK1 > 0:
+            dq1 = tl.dot(b_ds, b_k1, dq1, input_precision=DOT_PREC)
+    return dq0, dq1
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm,
+    H_Q, M, N, causal_shift, qk_scale, scale,
+    GROUP: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = pid_bh // H_Q
+    i_hq = pid_bh % H_Q
+    i_hk = i_hq // GROUP
+    Q += i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
+    DO += i_b.to(tl.int64) * stride_dob + i_hq.to(tl.int64) * stride_doh
+    K += i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
+    V += i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
+    DQ += i_b.to(tl.int64) * stride_dqb + i_hq.to(tl.int64) * stride_dqh
+    row = pid_bh.to(tl.int64) * M
+
+    if CAUSAL:  # heaviest query blocks first, as in the forward
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_dq0 = tl.arange(0, BLOCK_DQK0)
+    offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_m = offs_m < M
+
+    q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+                 mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_M, BLOCK_DQK0]
+    if BLOCK_DQK1 > 0:
+        q1 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+                     mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
+    else:
+        q1 = q0
+    b_do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                   mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
+    b_lse2 = _load_lse2(LSE + row, offs_m, M)
+    b_delta = tl.load(DELTA + row + offs_m, mask=m_m, other=0.0)
+    dq0 = tl.zeros([BLOCK_M, BLOCK_DQK0], dtype=tl.float32)
+    dq1 = tl.zeros([BLOCK_M, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16], dtype=tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(N, tl.maximum(start_m + BLOCK_M + causal_shift, 0))
+        full = tl.maximum(tl.minimum(start_m + causal_shift + 1, N), 0)
+    else:
+        hi = N
+        full = N
+    full = (full // BLOCK_N) * BLOCK_N
+    dq0, dq1 = _dq_inner(
+        dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+        K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+        0, full, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, False, CAUSAL, BLOCK_N, DOT_PREC,
+    )
+    dq0, dq1 = _dq_inner(
+        dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+        K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+        full, hi, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, True, CAUSAL, BLOCK_N, DOT_PREC,
+    )
+    dq0 = dq0 * scale
+    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_dq0[None, :], dq0.to(DQ.dtype.element_ty),
+             mask=m_m[:, None] & (offs_dq0[None, :] < D_QK))
+    if BLOCK_DQK1 > 0:
+        dq1 = dq1 * scale
+        tl.store(DQ + offs_m[:, None] * stride_dqm + offs_dq1[None, :], dq1.to(DQ.dtype.element_ty),
+                 mask=m_m[:, None] & (offs_dq1[None, :] < D_QK))
+
+
+def flash_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dkdv_config: tuple[int, int, int, int] | None = None,
+    dq_config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash attention backward.
+
+    do [B, Hq, M, Dv] (any strides with unit last-dim stride), q [B, Hq, M, Dqk], k [B, Hkv, N, Dqk],
+    v [B, Hkv, N, Dv] as given to the forward, o [B, Hq, M, Dv] contiguous and lse float32 [B, Hq, M]
+    from ``flash_attn_fwd``. Returns contiguous dq, dk, dv in the input dtypes. Deterministic; never
+    synchronises with the host. The configs override the tile tables (BLOCK_M, BLOCK_N, warps, stages).
+    """
+    B, Hq, M, Dqk = q.shape
+    Hkv, N, Dv = k.shape[1], k.shape[2], v.shape[3]
+    dq = triton_fwd._alloc((B, Hq, M, Dqk), q.device, q.dtype)
+    dk = triton_fwd._alloc((B, Hkv, N, Dqk), k.device, k.dtype)
+    dv = triton_fwd._alloc((B, Hkv, N, Dv), v.device, v.dtype)
+    if B * Hkv * N == 0 or M == 0:
+        # No query rows (or no keys): every gradient is exactly zero.
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    assert o.is_contiguous() and lse.is_contiguous()
+    bq0, bq1 = split_head_dim(Dqk)
+    bdv = max(16, triton.next_power_of_2(Dv))
+    group = Hq // Hkv
+    shift = N - M
+
+    delta = triton_fwd._alloc((B, Hq, M), q.device, torch.float32)
+    pre_m = 64 if not _interpreting() else 32
+    _bwd_preprocess[(triton.cdiv(M, pre_m), B * Hq)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), *do.stride(), Hq, M,
+        D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m,
+    )
+
+    def launch_dkdv(cfg):
+        bm, bn, warps, stages = cfg
+        _bwd_dkdv_kernel[(triton.cdiv(N, bn), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            Hq, Hkv, M, N, shift, scale * LOG2E, scale,
+            GROUP=group, D_QK=Dqk, D_V=Dv,
+            BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
+            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
+        )
+
+    def launch_dq(cfg):
+        bm, bn, warps, stages = cfg
+        _bwd_dq_kernel[(triton.cdiv(M, bm), B * Hq)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            Hq, M, N, shift, scale * LOG2E, scale,
+            GROUP=group, D_QK=Dqk, D_V=Dv,
+            BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
+            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
+        )
+
+    # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
+    es = q.element_size()
+    width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
+    key = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
+    launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
+                         pinned=dkdv_config is not None)
+    launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
+                         pinned=dq_config is not None)
+    return dq, dk, dv

@@ -1,0 +1,297 @@
+"""Flash attention forward: Triton kernel and its launcher.
+
+One program per (query block, batch * query head). It keeps its query tile in registers and streams
+the key/value tiles of its KV head (``kv_head = q_head // group``) through an online softmax, so no
+score matrix and no expanded KV heads ever reach memory. The score width is split into a power-of-two
+main part and a small tail (192 = 128 + 64, 576 = 512 + 64, 72 = 64 + 16 with 8 columns masked) so
+MLA's 192-wide heads do not pay for 256. See README.md beside this file for the algebra.
+
+Causal masking is aligned to the bottom right (query row i sees keys j <= i + N - M). For
+``M = 2, N = 5`` (x = visible)::
+
+    keys   0 1 2 3 4
+    q0     x x x x .
+    q1     x x x x x
+
+and for ``M = 5, N = 2`` the first three rows see nothing: they get o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453  # the kernels write these as literals: Triton's JIT reads only tl.constexpr globals
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _alloc(shape, device, dtype) -> torch.Tensor:
+    # Every buffer the launchers create goes through here, so tests can poison them with NaN.
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp16/bf16 use the tensor cores as they are; fp32 inputs get true fp32
+    products ("ieee") unless PyTorch is allowed tf32 for matmuls, as its own fp32 attention would."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+    """Split a head width into (main, tail) tile widths: main the largest power of two <= d (>= 16),
+    tail the next power of two >= the remainder (>= 16), or 0 when nothing remains."""
+    main = max(16, 1 << (d.bit_length() - 1))
+    rest = d - main
+    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    return main, tail
+
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - very old triton
+    OutOfResources = RuntimeError
+
+# Smaller tiles to fall back on, in order, when a table entry does not fit the GPU's shared memory or
+# registers (fp32 inputs, head widths nobody measured): (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FALLBACK_CONFIGS = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1))
+_chosen: dict = {}
+
+
+def launch_with_fallback(launch, key, first: tuple[int, int, int, int], pinned: bool = False):
+    """Call ``launch(config)`` with ``first``, else the fallbacks that fit, remembering per ``key`` what worked.
+
+    Out-of-resources is raised while compiling, on the host, before anything is queued, so trying the
+    next config costs a compile once per key and never a device synchronisation. ``pinned`` (a config
+    the caller asked for) disables the fallback.
+    """
+    if pinned:
+        return launch(first)
+    if key in _chosen:
+        return launch(_chosen[key])
+    for cfg in (first,) + tuple(c for c in FALLBACK_CONFIGS if c != first):
+        try:
+            out = launch(cfg)
+        except OutOfResources:
+            continue
+        _chosen[key] = cfg
+        return out
+    raise RuntimeError(f"flash attention: no tile configuration fits this GPU for {key}")
+
+
+# Forward tile table, measured on the H200 (triton 3.6, bf16, see README.md): keyed by
+# (Dqk main+tail width, padded Dv) ranges. (BLOCK_M, BLOCK_N, num_warps, num_stages)
+def _fwd_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, int, int]:
+    if _interpreting():
+        return 32, 32, 4, 1
+    width = max(dqk_tiles, dv_tile)
+    if width <= 192:
+        return 128, 64, 8, 3
+    # Very wide heads (MLA un-absorbed 576/512): keep the accumulator within the register file.
+    return 64, 32, 8, 2
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q0, q1,
+    k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_dq1, offs_dv,
+    lo, hi, N, causal_shift, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAD_DQK1: tl.constexpr, PAD_DV: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Stream key blocks [lo, hi). MASKED: the block may hold keys >= N or causally hidden keys.
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + offs_n  # [BLOCK_N]
+        m_n = o_n < N
+        # k^T tiles: [BLOCK_DQK, BLOCK_N]
+        if MASKED:
+            b_k0 = tl.load(k_ptrs0 + start_n * stride_kn, mask=m_n[None, :], other=0.0)
+        else:
+            b_k0 = tl.load(k_ptrs0 + start_n * stride_kn)
+        b_s = tl.dot(q0, b_k0, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
+        if BLOCK_DQK1 > 0:
+            if MASKED:
+                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn,
+                               mask=m_n[None, :] & (offs_dq1[:, None] < D_QK), other=0.0)
+            elif PAD_DQK1:
+                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn, mask=offs_dq1[:, None] < D_QK, other=0.0)
+            else:
+                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn)
+            b_s += tl.dot(q1, b_k1, input_precision=DOT_PREC)
+        if MASKED:
+            visible = m_n[None, :]
+            if CAUSAL:
+                visible = visible & (o_n[None, :] <= offs_m[:, None] + causal_shift)
+            b_s = tl.where(visible, b_s, float("-inf"))
+        # Online softmax in log2 units (qk_scale = scale * log2(e), applied in one FMA with the max).
+        # m_i starts at a finite -1e30, so a fully hidden block gives p = 0, not NaN.
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M]
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            b_v = tl.load(v_ptrs + start_n * stride_vn,
+                          mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
+        elif PAD_DV:
+            b_v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < D_V, other=0.0)
+        else:
+            b_v = tl.load(v_ptrs + start_n * stride_vn)
+        acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om,
+    H_Q, M, N, causal_shift, qk_scale,
+    GROUP: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    i_b = pid_bh // H_Q
+    i_hq = pid_bh % H_Q
+    i_hk = i_hq // GROUP
+    # int64 base offsets: batch * stride can pass 2^31 for large tensors.
+    Q += i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
+    K += i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
+    V += i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
+    O += i_b.to(tl.int64) * stride_ob + i_hq.to(tl.int64) * stride_oh
+    LSE += pid_bh.to(tl.int64) * M
+
+    # Causal: the last query blocks see the most keys; launch them first for a balanced tail.
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dq0 = tl.arange(0, BLOCK_DQK0)
+    offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    PAD_DQK0: tl.constexpr = BLOCK_DQK0 > D_QK
+    PAD_DQK1: tl.constexpr = BLOCK_DQK0 + BLOCK_DQK1 > D_QK
+    PAD_DV: tl.constexpr = BLOCK_DV > D_V
+    m_m = offs_m < M
+
+    # q tiles [BLOCK_M, BLOCK_DQK0] (+ tail [BLOCK_M, BLOCK_DQK1]) stay in registers.
+    if PAD_DQK0:
+        q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+                     mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)
+    else:
+        q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+                     mask=m_m[:, None], other=0.0)
+    if BLOCK_DQK1 > 0:
+        q1 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+                     mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
+    else:
+        q1 = q0
+    # Key tiles are read transposed: [BLOCK_DQK, BLOCK_N].
+    k_ptrs0 = K + offs_n[None, :] * stride_kn + offs_dq0[:, None] * stride_kd
+    k_ptrs1 = K + offs_n[None, :] * stride_kn + offs_dq1[:, None] * stride_kd
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if PAD_DQK0:
+        # Only for Dqk < 16: fold the column mask into the key pointer range by clamping reads
+        # to column 0 and zeroing q's padded columns (already zero above), so no extra mask is needed.
+        k_ptrs0 = K + offs_n[None, :] * stride_kn + tl.where(offs_dq0 < D_QK, offs_dq0, 0)[:, None] * stride_kd
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+
+    # Key range: causal rows of this block see at most keys < start_m + BLOCK_M + shift.
+    if CAUSAL:
+        hi = tl.minimum(N, tl.maximum(start_m + BLOCK_M + causal_shift, 0))
+        # Keys < start_m + shift + 1 are visible to every row of the block.
+        full = tl.maximum(tl.minimum(start_m + causal_shift + 1, N), 0)
+    else:
+        hi = N
+        full = N
+    full = (full // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_dq1, offs_dv, 0, full, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, PAD_DQK1, PAD_DV,
+        False, CAUSAL, BLOCK_N, DOT_PREC,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_dq1, offs_dv, full, hi, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, PAD_DQK1, PAD_DV,
+        True, CAUSAL, BLOCK_N, DOT_PREC,
+    )
+
+    # Rows that saw no key have l_i = 0: o = 0 and lse = -inf (log2(0) = -inf), never NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + offs_m, b_lse, mask=m_m)
+    o_ptrs = O + offs_m[:, None] * stride_om + offs_dv[None, :]
+    if PAD_DV:
+        tl.store(o_ptrs, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & (offs_dv[None, :] < D_V))
+    else:
+        tl.store(o_ptrs, b_o.to(O.dtype.element_ty), mask=m_m[:, None])
+
+
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention forward.
+
+    q [B, Hq, M, Dqk], k [B, Hkv, N, Dqk], v [B, Hkv, N, Dv] (fp16/bf16/fp32, any strides with a
+    unit last-dim stride), Hq % Hkv == 0. Returns o [B, Hq, M, Dv] in q.dtype (contiguous) and
+    lse float32 [B, Hq, M] (natural log; -inf for rows that see no key). ``config`` overrides the
+    tile table: (BLOCK_M, BLOCK_N, num_warps, num_stages). Never synchronises with the host.
+    """
+    B, Hq, M, Dqk = q.shape
+    Hkv, N, Dv = k.shape[1], k.shape[2], v.shape[3]
+    o = _alloc((B, Hq, M, Dv), q.device, q.dtype)
+    lse = _alloc((B, Hq, M), q.device, torch.float32)
+    if B * Hq * M == 0:
+        return o, lse
+    bq0, bq1 = split_head_dim(Dqk)
+    bdv = max(16, triton.next_power_of_2(Dv))
+
+    def launch(cfg):
+        block_m, block_n, warps, stages = cfg
+        _flash_fwd_kernel[(triton.cdiv(M, block_m), B * Hq)](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(),
+            o.stride(0), o.stride(1), o.stride(2),
+            Hq, M, N, N - M, scale * LOG2E,
+            GROUP=Hq // Hkv, D_QK=Dqk, D_V=Dv,
+            BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
+            CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
+        )
+
+    # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
+    width = (bq0 + bq1) * q.element_size() // 2
+    first = config or _fwd_config(width, bdv * q.element_size() // 2, causal)
+    launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bool(causal)), first,
+                         pinned=config is not None)
+    return o, lse

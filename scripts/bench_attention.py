@@ -1,0 +1,176 @@
+"""Benchmark: Triton flash attention vs torch SDPA, causal, bf16, forward and forward+backward.
+
+    PYTHONPATH=. python scripts/bench_attention.py --out docs/bench_attention_latest.md [--sweep]
+
+FLOPs (as FlashAttention counts them): forward = 2 * B * Hq * M * N * (Dqk + Dv), halved for causal;
+forward+backward = 3.5 x forward (the backward counted as 2.5 x forward). Times are medians of
+triton.testing.do_bench. "extra MiB" is the peak memory of one forward+backward above the inputs, dO
+and the three gradients. For GQA rows SDPA gets enable_gqa=True when this torch has it, else the KV
+heads are repeated before the call (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import mla_attn
+from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
+from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
+
+ROWS = [  # B, Hq, Hkv, L, Dqk, Dv
+    (4, 32, 32, 4096, 128, 128),
+    (2, 16, 16, 8192, 192, 128),
+    (4, 128, 128, 2048, 192, 128),
+    (8, 32, 8, 2048, 128, 128),
+]
+def _has_gqa() -> bool:
+    try:
+        t = torch.zeros(1, 2, 1, 16)
+        F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+HAS_GQA = _has_gqa()
+
+
+def _inputs(b, hq, hkv, n, dqk, dv, grad=False):
+    q = torch.randn(b, hq, n, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    k = torch.randn(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    v = torch.randn(b, hkv, n, dv, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    return q, k, v
+
+
+def _sdpa(q, k, v, scale):
+    if q.shape[1] != k.shape[1]:
+        if HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _ours(q, k, v, scale):
+    return mla_attn.ops.attention(q, k, v, causal=True, scale=scale, impl="triton")
+
+
+def _ms(fn, grads=None):
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+
+
+def _extra_mib(fn, q, k, v, do):
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn().backward(do)
+    torch.cuda.synchronize()
+    grads = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+
+
+def bench_row(b, hq, hkv, n, dqk, dv):
+    scale = dqk ** -0.5
+    fwd_flops = 2.0 * b * hq * n * n * (dqk + dv) / 2
+    res = {}
+    with torch.no_grad():
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
+        res["fwd_ours"] = _ms(lambda: _ours(q, k, v, scale))
+        res["fwd_sdpa"] = _ms(lambda: _sdpa(q, k, v, scale))
+    q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+    do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+    res["fb_ours"] = _ms(lambda: _ours(q, k, v, scale).backward(do), [q, k, v])
+    res["fb_sdpa"] = _ms(lambda: _sdpa(q, k, v, scale).backward(do), [q, k, v])
+    res["mem_ours"] = _extra_mib(lambda: _ours(q, k, v, scale), q, k, v, do)
+    res["mem_sdpa"] = _extra_mib(lambda: _sdpa(q, k, v, scale), q, k, v, do)
+    tf = lambda ms, mult: mult * fwd_flops / (ms * 1e-3) / 1e12  # noqa: E731
+    res["tf_fwd_ours"], res["tf_fwd_sdpa"] = tf(res["fwd_ours"], 1.0), tf(res["fwd_sdpa"], 1.0)
+    res["tf_fb_ours"], res["tf_fb_sdpa"] = tf(res["fb_ours"], 3.5), tf(res["fb_sdpa"], 3.5)
+    return res
+
+
+def sweep():
+    """Time a few tile configs per kernel at the two head-width classes; prints a table per kernel."""
+    fwd_cfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+    dkdv_cfgs = [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 8, 3), (64, 64, 4, 3)]
+    dq_cfgs = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4)]
+    for (b, hq, hkv, n, dqk, dv) in [ROWS[0], ROWS[1]]:
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
+        scale = dqk ** -0.5
+        flops = 2.0 * b * hq * n * n * (dqk + dv) / 2
+        o, lse = flash_attn_fwd(q, k, v, True, scale)
+        do = torch.randn_like(o)
+        for cfg in fwd_cfgs:
+            try:
+                ms = _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg))
+                print(f"sweep fwd  D{dqk}/{dv} {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            except Exception as e:  # out of shared memory / registers: report and go on
+                print(f"sweep fwd  D{dqk}/{dv} {cfg}: failed {type(e).__name__}", flush=True)
+        for cfg in dkdv_cfgs:
+            try:
+                ms = _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg))
+                print(f"sweep bwd(dkdv) D{dqk}/{dv} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s",
+                      flush=True)
+            except Exception as e:
+                print(f"sweep bwd(dkdv) D{dqk}/{dv} {cfg}: failed {type(e).__name__}", flush=True)
+        for cfg in dq_cfgs:
+            try:
+                ms = _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg))
+                print(f"sweep bwd(dq) D{dqk}/{dv} {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s",
+                      flush=True)
+            except Exception as e:
+                print(f"sweep bwd(dq) D{dqk}/{dv} {cfg}: failed {type(e).__name__}", flush=True)
+        del q, k, v, o, lse, do
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    if args.sweep:
+        sweep()
+    lines = [
+        f"# Flash attention vs SDPA ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
+        "median of triton.testing.do_bench.",
+        "FLOPs: forward = 2*B*H*L*L*(Dqk+Dv)/2 (causal); forward+backward = 3.5 x forward. "
+        f"SDPA GQA: {'enable_gqa=True' if HAS_GQA else 'KV heads repeated'}. "
+        "Extra MiB: peak memory of one fwd+bwd beyond inputs, dO and gradients.",
+        "",
+        "| B | Hq/Hkv | L | Dqk/Dv | fwd ours TF/s | fwd SDPA TF/s | fwd ratio | fwd+bwd ours TF/s "
+        "| fwd+bwd SDPA TF/s | fwd+bwd ratio | extra MiB ours | extra MiB SDPA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        b, hq, hkv, n, dqk, dv = row
+        r = bench_row(*row)
+        lines.append(
+            f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {r['tf_fwd_ours']:.0f} | {r['tf_fwd_sdpa']:.0f} | "
+            f"{r['tf_fwd_ours'] / r['tf_fwd_sdpa']:.2f} | {r['tf_fb_ours']:.0f} | {r['tf_fb_sdpa']:.0f} | "
+            f"{r['tf_fb_ours'] / r['tf_fb_sdpa']:.2f} | {r['mem_ours']:.0f} | {r['mem_sdpa']:.0f} |"
+        )
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

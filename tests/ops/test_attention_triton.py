@@ -1,0 +1,331 @@
+"""Triton flash attention (forward + backward) against the float64 oracle.
+
+Interpreter part (CPU, fp32/fp16, small shapes): every case checks o, lse and dq/dk/dv against the
+float64 oracle, with launcher buffers NaN-poisoned and K/V passed as strided views into NaN-filled
+storage, so an unwritten output or a read past N / past Dqk or Dv fails loudly.
+
+Tolerances (rel_err = ||x - ref|| / ||ref||, from mla_attn.testing):
+- the kernel may be at most 2x as far from the oracle as PyTorch's own computation in the same dtype
+  (``_torch_same_dtype``), never required to beat the floor;
+- floors: outputs ``dtype_floor(dtype)`` (a few units of the dtype's rounding: fp32 2e-5, fp16 2e-3,
+  bf16 1.6e-2); gradients 5x that, because dS = P * (dP - delta) subtracts two nearly equal sums and
+  dQ/dK add up to N such terms, so their relative error is a few times the output's;
+- lse: absolute 1e-4 in fp32 inputs (fp32 log of a sum of exps of scores ~ O(10)), 2e-3 for fp16 inputs
+  (fp16 rounding of q and k is in the oracle too, but the kernel's dot products accumulate in fp32
+  and the score scale is applied after the dot, ~1e-3 of a score of magnitude ~3).
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from mla_attn.ops.attention import triton_fwd
+from mla_attn.ops.attention.function import flash_attention
+from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
+from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
+from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, dtype_floor
+
+GRAD_FLOOR_FACTOR = 5.0
+LSE_ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every buffer the launchers allocate (o, lse, delta, dq, dk, dv) starts as NaN."""
+
+    def alloc(shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(triton_fwd, "_alloc", alloc)
+
+
+def _strided(t: torch.Tensor, pad_n: int = 3, pad_d: int = 5) -> torch.Tensor:
+    """A view of t [B, H, L, D] inside NaN storage [B, L + pad_n, H, D + pad_d] (token-major, padded rows)."""
+    b, h, n, d = t.shape
+    buf = torch.full((b, n + pad_n, h, d + pad_d), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[:, :n, :, :d].transpose(1, 2)
+    view.copy_(t)
+    return view
+
+
+def _torch_same_dtype(q, k, v, causal, scale):
+    """Attention done by PyTorch in the inputs' own dtype (scores, softmax, P V): the error baseline."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    v = v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    m, n = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(m, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        s = s.masked_fill(j > i + n - m, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no key: 0, as the op defines
+    return p @ v
+
+
+def _grads(fn, inputs, do):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(do.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k_mul=1.0, device="cpu"):
+    scale = dqk ** -0.5 if scale is None else scale
+    q = (torch.randn(b, hq, m, dqk, device=device) * q_mul).to(dtype)
+    k = (torch.randn(b, hkv, n, dqk, device=device) * k_mul).to(dtype)
+    v = torch.randn(b, hkv, n, dv, device=device).to(dtype)
+    do = torch.randn(b, hq, m, dv, device=device).to(dtype)
+    # q as a [B, M, H, D] transpose, k/v inside NaN-padded token-major storage.
+    qs = q.transpose(1, 2).contiguous().transpose(1, 2)
+    ks, vs = _strided(k), _strided(v)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (qs, ks, vs)]
+    o, lse = flash_attention(*leaves, causal, scale)
+    o.backward(do)
+    grads = [t.grad for t in leaves]
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = attention_oracle(q64, k64, v64, causal=causal, scale=scale)
+    o_ref.backward(do.double())
+    o_base, g_base = _grads(lambda a, b_, c: _torch_same_dtype(a, b_, c, causal, scale), (q, k, v), do)
+
+    floor = dtype_floor(dtype)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_close(o, o_ref, floor=floor, baseline=o_base, name="o")
+    assert_lse_close(lse, lse_ref, atol=LSE_ATOL[dtype])
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), g_base):
+        assert got.shape == want.shape
+        assert torch.isfinite(got).all(), f"{name}: non-finite values"
+        if want.norm() < 1e-9:
+            # N = 1 (or no visible key): dS = P * (dP - delta) is exactly 0, so dq and dk are 0 up to the
+            # cancellation of dP and delta, each a dot product of size Dv: absolute bound.
+            assert got.abs().max() <= floor * do.abs().max() * v.abs().max() * dv, f"{name}: not ~0"
+            continue
+        assert_close(got, want, floor=GRAD_FLOOR_FACTOR * floor, baseline=base, name=name)
+    return o, lse, grads
+
+
+# (B, Hq, Hkv, M, N, Dqk, Dv, causal, dtype): MHA/GQA/MQA, causal and not, the issue's (M, N) pairs
+# and head dims, plus odd widths (8 < 16, 72 = 64 + padded tail, 192 = MLA expanded), with
+# non-power-of-two head counts. A covering set, not the cross product.
+CASES = [
+    (1, 2, 2, 1, 1, 16, 16, True, torch.float32),
+    (2, 6, 2, 7, 3, 48, 32, True, torch.float32),       # M > N: 4 rows see no key
+    (1, 3, 1, 113, 203, 64, 64, True, torch.float32),   # MQA, cached prefix
+    (1, 4, 2, 113, 203, 48, 32, False, torch.float16),
+    (1, 3, 3, 64, 64, 64, 64, True, torch.float16),
+    (1, 5, 1, 65, 130, 16, 16, False, torch.float32),
+    (2, 4, 2, 65, 130, 48, 32, True, torch.float32),
+    (1, 6, 3, 130, 65, 64, 64, True, torch.float32),    # M > N: 65 rows see no key
+    (1, 2, 1, 33, 47, 192, 128, True, torch.float32),   # MLA expanded widths
+    (1, 2, 2, 17, 40, 72, 72, False, torch.float16),
+    (1, 3, 1, 9, 9, 8, 24, True, torch.float32),
+]
+
+
+def _case_id(c):
+    b, hq, hkv, m, n, dqk, dv, causal, dtype = c
+    return f"B{b}-Hq{hq}-Hkv{hkv}-M{m}-N{n}-D{dqk}x{dv}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_flash_attention_matches_oracle(case, poison):
+    _check(*case)
+
+
+def test_large_magnitude_inputs_backward(poison):
+    # q*5, k*3: scores reach ~+-40, the softmax is nearly one-hot; no overflow, no NaN.
+    _check(1, 4, 2, 65, 97, 64, 64, True, torch.float32, q_mul=5.0, k_mul=3.0)
+    _check(1, 4, 2, 65, 97, 64, 64, False, torch.float16, q_mul=5.0, k_mul=3.0)
+
+
+def test_rows_without_keys_give_zero_and_neg_inf(poison):
+    m, n = 20, 6  # rows 0..13 see no key
+    o, lse, (dq, dk, dv) = _check(1, 2, 1, m, n, 32, 32, True, torch.float32)
+    dead = m - n
+    assert torch.equal(o[:, :, :dead], torch.zeros_like(o[:, :, :dead]))
+    assert torch.isneginf(lse[:, :, :dead]).all() and torch.isfinite(lse[:, :, dead:]).all()
+    assert torch.equal(dq[:, :, :dead], torch.zeros_like(dq[:, :, :dead]))
+
+
+@pytest.mark.parametrize("m,n", [(0, 5), (5, 0), (0, 0)], ids=lambda x: str(x))
+def test_zero_length(m, n, poison):
+    q = torch.randn(1, 2, m, 16, requires_grad=True)
+    k = torch.randn(1, 1, n, 16, requires_grad=True)
+    v = torch.randn(1, 1, n, 16, requires_grad=True)
+    o, lse = flash_attention(q, k, v, True, 0.25)
+    assert o.shape == (1, 2, m, 16) and lse.shape == (1, 2, m)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    o.sum().backward()
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("fwd_cfg,dkdv_cfg,dq_cfg", [
+    ((16, 64, 4, 1), (64, 16, 4, 1), (16, 64, 4, 1)),
+    ((64, 16, 4, 1), (16, 64, 4, 1), (64, 16, 4, 1)),
+], ids=["tall-keys", "tall-queries"])
+def test_other_tile_shapes(fwd_cfg, dkdv_cfg, dq_cfg, poison):
+    # The causal block bounds are computed from BLOCK_M, BLOCK_N and N - M: check unequal tiles both ways.
+    for m, n in ((50, 77), (77, 50)):
+        q = torch.randn(1, 4, m, 32)
+        k = torch.randn(1, 2, n, 32)
+        v = torch.randn(1, 2, n, 16)
+        do = torch.randn(1, 4, m, 16)
+        o, lse = flash_attn_fwd(q, k, v, True, 0.3, config=fwd_cfg)
+        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, True, 0.3, dkdv_config=dkdv_cfg, dq_config=dq_cfg)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        o_ref, lse_ref = attention_oracle(q64, k64, v64, causal=True, scale=0.3)
+        o_ref.backward(do.double())
+        assert_close(o, o_ref, floor=dtype_floor(torch.float32), name="o")
+        assert_lse_close(lse, lse_ref, atol=1e-4)
+        for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+            assert_close(got, want, floor=GRAD_FLOOR_FACTOR * dtype_floor(torch.float32), name=name)
+
+
+def test_public_op_dispatches_to_triton(poison):
+    import mla_attn
+
+    q = torch.randn(2, 4, 19, 32, requires_grad=True)
+    k = torch.randn(2, 2, 23, 32, requires_grad=True)
+    v = torch.randn(2, 2, 23, 16, requires_grad=True)
+    o, lse = mla_attn.ops.attention(q, k, v, causal=True, return_lse=True, impl="triton")
+    o_r, lse_r = mla_attn.ops.attention(q, k, v, causal=True, return_lse=True, impl="reference")
+    assert_close(o, o_r.detach(), floor=dtype_floor(torch.float32))
+    assert_lse_close(lse, lse_r, atol=1e-4)
+    assert not lse.requires_grad
+    (g,) = torch.autograd.grad(o.sum(), q)
+    (g_r,) = torch.autograd.grad(o_r.sum(), q)
+    assert_close(g, g_r, floor=GRAD_FLOOR_FACTOR * dtype_floor(torch.float32))
+
+
+def test_autocast_runs_in_autocast_dtype():
+    q = torch.randn(1, 2, 24, 32)
+    k = torch.randn(1, 2, 24, 32)
+    v = torch.randn(1, 2, 24, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        o, lse = flash_attention(q, k, v, True, 32 ** -0.5)
+    assert o.dtype == torch.float16 and lse.dtype == torch.float32
+    o_ref, _ = attention_oracle(q.half(), k.half(), v.half(), causal=True)
+    assert_close(o, o_ref, floor=dtype_floor(torch.float16))
+
+
+def test_torch_compile_traces_the_custom_ops():
+    # aot_eager needs no C++ compiler, yet traces the custom ops through their fake implementations
+    # (shapes, dtypes) in forward and backward.
+    def f(q, k, v):
+        o, lse = flash_attention(q, k, v, True, 0.2)
+        return (o * o).sum() + lse[lse.isfinite()].sum()
+
+    q = torch.randn(1, 4, 20, 16, requires_grad=True)
+    k = torch.randn(1, 2, 12, 16, requires_grad=True)
+    v = torch.randn(1, 2, 12, 16, requires_grad=True)
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+
+
+def test_launch_falls_back_when_tiles_do_not_fit(monkeypatch):
+    # A table entry too large for the GPU raises OutOfResources while compiling; the launcher must
+    # try smaller tiles, remember the one that fit, and raise if none does.
+    from mla_attn.ops.attention.triton_fwd import OutOfResources, launch_with_fallback
+
+    monkeypatch.setattr(triton_fwd, "_chosen", {})
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg[0] * cfg[1] > 64 * 32:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return cfg
+
+    first = (128, 64, 8, 3)
+    assert launch_with_fallback(launch, "k", first) == (64, 32, 4, 2)
+    assert tried == [first, (64, 64, 4, 2), (64, 32, 4, 2)]
+    tried.clear()
+    assert launch_with_fallback(launch, "k", first) == (64, 32, 4, 2) and tried == [(64, 32, 4, 2)]
+    with pytest.raises(OutOfResources):
+        launch_with_fallback(launch, "pinned", first, pinned=True)
+    with pytest.raises(RuntimeError, match="no tile configuration"):
+        launch_with_fallback(lambda cfg: launch((10**6, 1, 1, 1)), "none", first)
+
+
+def test_float64_is_refused_with_a_clear_error():
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        flash_attention(q, q, q, False, 0.25)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16 / fp16 at the benchmark shapes (batch and heads reduced) and the long odd lengths.
+GPU_CASES = [
+    # B, Hq, Hkv, M, N, Dqk, Dv, causal
+    (1, 4, 4, 4096, 4096, 128, 128, True),
+    (1, 2, 2, 8192, 8192, 192, 128, True),
+    (1, 8, 8, 2048, 2048, 192, 128, True),
+    (2, 8, 2, 2048, 2048, 128, 128, True),
+    (1, 4, 4, 1023, 1024, 128, 128, True),
+    (1, 4, 2, 1023, 1024, 128, 128, False),
+    (1, 2, 2, 4224, 4224, 128, 128, True),
+    (1, 4, 1, 300, 700, 576, 512, True),
+    (1, 3, 3, 257, 255, 72, 72, True),
+    (1, 4, 2, 257, 300, 48, 32, False),
+    (1, 4, 4, 511, 511, 64, 64, True),
+]
+
+
+def _gpu_id(c):
+    b, hq, hkv, m, n, dqk, dv, causal = c
+    return f"B{b}-Hq{hq}-Hkv{hkv}-M{m}-N{n}-D{dqk}x{dv}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+def test_gpu_matches_oracle(case, dtype, poison):
+    _check(*case, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128), (576, 512)], ids=lambda d: str(d))
+def test_gpu_float32_fits(dqk, dv, poison):
+    # fp32 tiles are twice as large: the launcher must pick (or fall back to) tiles that fit.
+    _check(1, 4, 2, 300, 333, dqk, dv, True, torch.float32, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 1100, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 1100, 128, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = flash_attention(*leaves, True, 0.09)
+        o.backward(do)
+        runs.append([o, lse] + [t.grad for t in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_and_autocast():
+    def f(q, k, v):
+        return flash_attention(q, k, v, True, 64 ** -0.5)[0].float().square().mean()
+
+    q = torch.randn(2, 4, 300, 64, device="cuda", requires_grad=True)
+    k = torch.randn(2, 2, 300, 64, device="cuda", requires_grad=True)
+    v = torch.randn(2, 2, 300, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+        got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        assert a.dtype == torch.float32  # gradients come back in the leaves' dtype
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-5)
