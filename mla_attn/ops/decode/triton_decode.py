@@ -1,0 +1,378 @@
+"""Triton split-KV decode: one kernel for GQA / MQA / MHA and absorbed MLA, contiguous or paged caches.
+
+Kernel -> launcher tiers (see STYLE.md). ``gqa_decode`` and ``mla_decode`` are the launchers that
+``api.py`` calls after validation; both run the same ``_decode_kernel``:
+
+* a program owns ``BLOCK_H`` query rows of one KV head (row = (head in group, new token s); for MQA and
+  MLA the group is every head) and one KV interval of its sequence, so each K/V tile is loaded once
+  for all of its rows;
+* MLA is MQA whose score has a second (rope) block, ``K2``, and whose value is the latent tile ``K1``
+  itself: the latent is read once and feeds both dot products; the accumulator is Dc wide;
+* with ``num_splits > 1`` every program writes a partial ``(o, lse)`` and ``combine.py`` merges them.
+
+The derivations (split-KV combine, absorbed MLA as MQA, the split heuristic) are in README.md here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .combine import combine_splits
+
+_LOG2E = 1.4426950408889634
+_alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
+
+
+@triton.jit
+def _decode_kernel(
+    Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
+    qk_scale,  # scale * log2(e): scores are kept in base 2
+    num_kv_heads, num_splits,
+    GROUP, NUM_HEAD_TILES,  # query heads per KV head; row tiles per KV head (runtime: fewer recompiles)
+    stride_q1b, stride_q1h, stride_q1s, stride_q1d,
+    stride_q2b, stride_q2h, stride_q2s, stride_q2d,
+    stride_k1o, stride_k1t, stride_k1h, stride_k1d,  # o: batch (contiguous) or page (paged); t: token in it
+    stride_k2o, stride_k2t, stride_k2h, stride_k2d,
+    stride_vo, stride_vt, stride_vh, stride_vd,
+    stride_btb, stride_btp,
+    stride_op, stride_ob, stride_oh, stride_os, stride_od,  # p: split
+    stride_lp, stride_lb, stride_lh, stride_ls,
+    S: tl.constexpr,  # new tokens per sequence
+    D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,  # PAGE_SIZE % BLOCK_N == 0: one page lookup per tile
+    HAS_K2: tl.constexpr,  # second score block (MLA rope)
+    V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+):
+    pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent
+    pid_split = tl.program_id(1)
+    i_t = pid_row % NUM_HEAD_TILES
+    i_bk = pid_row // NUM_HEAD_TILES
+    i_kvh = i_bk % num_kv_heads
+    i_b = i_bk // num_kv_heads
+    i_b64 = i_b.to(tl.int64)
+
+    seq_len = tl.load(SEQ_LENS + i_b)
+
+    # Rows of this program: r = g * S + s (g: head within the group, s: new token).
+    o_r = i_t * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    m_r = o_r < GROUP * S
+    o_g = o_r // S
+    o_s = o_r % S
+    o_qh = (i_kvh * GROUP + o_g).to(tl.int64)
+    # New token s sees keys j < seq_len - S + 1 + s (bottom-right causal).
+    row_limit = seq_len - S + 1 + o_s  # [BLOCK_H]
+
+    # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = pid_split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    o_d1 = tl.arange(0, BLOCK_D1)
+    m_d1 = o_d1 < D1
+    p_q1 = Q1 + i_b64 * stride_q1b + o_qh[:, None] * stride_q1h + o_s[:, None] * stride_q1s + o_d1[None, :] * stride_q1d
+    b_q1 = tl.load(p_q1, mask=m_r[:, None] & m_d1[None, :], other=0.0)  # [BLOCK_H, BLOCK_D1]
+    if HAS_K2:
+        o_d2 = tl.arange(0, BLOCK_D2)
+        m_d2 = o_d2 < D2
+        p_q2 = (Q2 + i_b64 * stride_q2b + o_qh[:, None] * stride_q2h + o_s[:, None] * stride_q2s
+                + o_d2[None, :] * stride_q2d)
+        b_q2 = tl.load(p_q2, mask=m_r[:, None] & m_d2[None, :], other=0.0)  # [BLOCK_H, BLOCK_D2]
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < DV
+
+    kvh64 = i_kvh.to(tl.int64)
+    o_nl = tl.arange(0, BLOCK_N)
+    # Loop-invariant in-tile offsets (a tile never leaves its page when TILE_IN_PAGE; int32 is ample).
+    off_k1 = o_nl[:, None] * stride_k1t + o_d1[None, :] * stride_k1d  # [BLOCK_N, BLOCK_D1]
+    if HAS_K2:
+        off_k2 = o_nl[:, None] * stride_k2t + o_d2[None, :] * stride_k2d  # [BLOCK_N, BLOCK_D2]
+    if not V_IS_K1:
+        off_v = o_nl[:, None] * stride_vt + o_dv[None, :] * stride_vd  # [BLOCK_N, BLOCK_DV]
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (base 2)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum
+    b_acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    if PAGED and TILE_IN_PAGE:
+        # The page of the next tile is loaded one iteration ahead (loop-carried), so that the K/V
+        # loads do not hang off a block-table load of the same iteration: Triton's pipeliner then
+        # multi-buffers them as in the contiguous case. Only tiles < hi are looked up.
+        p_bt = BLOCK_TABLE + i_b64 * stride_btb
+        next_page = tl.load(p_bt + (lo // PAGE_SIZE) * stride_btp, mask=lo < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        o_n = start + o_nl  # [BLOCK_N] token positions
+        m_n = o_n < hi
+        if PAGED and not TILE_IN_PAGE:
+            # Per-token page lookup, only for tokens < hi: entries past the last page are never read.
+            p_bt = BLOCK_TABLE + i_b64 * stride_btb + (o_n // PAGE_SIZE) * stride_btp
+            page = tl.load(p_bt, mask=m_n, other=0).to(tl.int64)
+            within = (o_n % PAGE_SIZE).to(tl.int64)
+            p_k1 = K1 + kvh64 * stride_k1h + (page * stride_k1o + within * stride_k1t)[:, None] + o_d1[None, :] * stride_k1d
+            if HAS_K2:
+                p_k2 = (K2 + kvh64 * stride_k2h + (page * stride_k2o + within * stride_k2t)[:, None]
+                        + o_d2[None, :] * stride_k2d)
+            if not V_IS_K1:
+                p_v = V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None] + o_dv[None, :] * stride_vd
+        else:
+            if PAGED:  # the whole tile lies in one page: one block-table entry (start < hi <= seq_len)
+                page = next_page.to(tl.int64)
+                within = tl.cast(start % PAGE_SIZE, tl.int64)
+                next_page = tl.load(p_bt + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp, mask=start + BLOCK_N < hi,
+                                    other=0)
+            else:
+                page = i_b64
+                within = tl.cast(start, tl.int64)
+            p_k1 = K1 + (kvh64 * stride_k1h + page * stride_k1o + within * stride_k1t) + off_k1
+            if HAS_K2:
+                p_k2 = K2 + (kvh64 * stride_k2h + page * stride_k2o + within * stride_k2t) + off_k2
+            if not V_IS_K1:
+                p_v = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v
+        b_k1 = tl.load(p_k1, mask=m_n[:, None] & m_d1[None, :], other=0.0)  # [BLOCK_N, BLOCK_D1]
+        if IEEE:
+            b_s = tl.dot(b_q1, tl.trans(b_k1), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+        else:
+            b_s = tl.dot(b_q1, tl.trans(b_k1))
+        if HAS_K2:
+            b_k2 = tl.load(p_k2, mask=m_n[:, None] & m_d2[None, :], other=0.0)  # [BLOCK_N, BLOCK_D2]
+            if IEEE:
+                b_s = tl.dot(b_q2, tl.trans(b_k2), b_s, input_precision="ieee")
+            else:
+                b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_s = b_s * qk_scale
+        if S == 1:
+            m_vis = m_n[None, :]
+        else:
+            m_vis = m_n[None, :] & (o_n[None, :] < row_limit[:, None])
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # a row with nothing visible yet
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where masked
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
+        if V_IS_K1:
+            b_v = b_k1
+        else:
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if IEEE:
+            b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+        b_m = b_m_new
+
+    # Rows with no visible key have l = 0 and acc = 0 exactly: o = 0, lse = -inf. The test is
+    # "l == 0", not "l > 0", so that a NaN read from the cache stays NaN instead of passing as empty.
+    dead = b_l == 0.0
+    b_o = b_acc / tl.where(dead, 1.0, b_l)[:, None]
+    b_lse = tl.where(dead, float("-inf"), (b_m + tl.log2(tl.where(dead, 1.0, b_l))) * 0.6931471805599453)
+
+    split64 = pid_split.to(tl.int64)
+    p_o = (O + split64 * stride_op + i_b64 * stride_ob + o_qh[:, None] * stride_oh + o_s[:, None] * stride_os
+           + o_dv[None, :] * stride_od)
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
+    p_lse = LSE + split64 * stride_lp + i_b64 * stride_lb + o_qh * stride_lh + o_s * stride_ls
+    tl.store(p_lse, b_lse, mask=m_r)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape and launch parameters of ``_decode_kernel``."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int = 1  # how many programs one SM is expected to hold (for the split heuristic)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number exercises the heuristic
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_num_splits(batch: int, head_tiles: int, max_seq_len_hint: int, num_sms: int, *,
+                      block_n: int = 64, ctas_per_sm: int = 1, min_tiles_per_split: int = 4,
+                      max_splits: int = 128) -> int:
+    """Split count for split-KV decode from shapes alone (never from seq_lens values: graph-capturable).
+
+    ``batch * head_tiles`` programs exist without splitting. Splitting multiplies them; we pick the
+    smallest split count whose last wave fills at least 95% of the best fill any allowed count
+    reaches, where a wave is ``num_sms * ctas_per_sm`` programs. Each split keeps at least
+    ``min_tiles_per_split`` tiles of ``block_n`` keys of the longest possible sequence
+    (``max_seq_len_hint``, the cache capacity), so short caches are not over-split.
+    """
+    base = batch * head_tiles
+    if base <= 0 or max_seq_len_hint <= 0:
+        return 1
+    slots = max(1, num_sms * ctas_per_sm)
+    if base >= slots:
+        return 1
+    cap = max(1, min(max_splits, math.ceil(max_seq_len_hint / (block_n * min_tiles_per_split))))
+
+    def fill(s: int) -> float:
+        waves = base * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(fill(s) for s in range(1, cap + 1))
+    for s in range(1, cap + 1):
+        if fill(s) >= 0.95 * best:
+            return s
+    return 1
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(max(int(x), 1)))
+
+
+def default_config(rows: int, d_qk: int, d_v: int, dtype: torch.dtype, *, mla: bool, device: torch.device) -> DecodeConfig:
+    """Tile shapes per problem class (tuned on an H200; see docs/bench_decode_latest.md)."""
+    if device.type != "cuda":  # the interpreter: big tiles, few iterations
+        return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=32, num_warps=4, num_stages=1)
+    if mla:
+        if rows > 32:
+            return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+        if rows > 16:
+            return DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=3)
+        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=4, ctas_per_sm=2)
+    if max(d_qk, d_v) <= 128:
+        return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2)
+    return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)
+
+
+def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
+            d_v, scale, num_splits, capacity, mla, config):
+    b, h, s, d1 = q1.shape
+    d2 = 0 if q2 is None else q2.shape[-1]
+    group = h // num_kv_heads
+    rows = group * s
+    device = q1.device
+    cfg = config or default_config(rows, d1 + d2, d_v, q1.dtype, mla=mla, device=device)
+    head_tiles = triton.cdiv(rows, cfg.block_h)
+    paged = block_table is not None
+    block_n = cfg.block_n
+    if paged and 16 <= page_size < block_n and page_size & (page_size - 1) == 0:
+        block_n = page_size  # keep tiles inside a page: one block-table lookup per tile
+    if num_splits is None:
+        num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
+                                       block_n=block_n, ctas_per_sm=cfg.ctas_per_sm)
+    o = _alloc((b, h, s, d_v), dtype=q1.dtype, device=device)
+    lse = _alloc((b, h, s), dtype=torch.float32, device=device)
+    if o.numel() == 0 or lse.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    if num_splits == 1:
+        o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        o_part = _alloc((num_splits, b, h, s, d_v), dtype=torch.float32, device=device)
+        lse_part = _alloc((num_splits, b, h, s), dtype=torch.float32, device=device)
+
+    bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
+    bt_strides = block_table.stride() if paged else (0, 0)
+    q2_ = q1 if q2 is None else q2
+    q2_strides = (0, 0, 0, 0) if q2 is None else q2.stride()
+    k2_ = k1 if k2 is None else k2
+    k2_strides = k2_strides or (0, 0, 0, 0)
+    v_ = k1 if v is None else v
+    grid = (b * num_kv_heads * head_tiles, num_splits)
+    _decode_kernel[grid](
+        q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
+        scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles,
+        *q1.stride(), *q2_strides,
+        *k1_strides, *k2_strides, *v_strides,
+        *bt_strides,
+        *o_part.stride(), *lse_part.stride(),
+        S=s,
+        D1=d1, D2=max(d2, 1), DV=d_v,
+        BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
+        BLOCK_H=cfg.block_h, BLOCK_N=block_n,
+        PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
+        HAS_K2=q2 is not None, V_IS_K1=v is None,
+        IEEE=q1.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        combine_splits(o_part, lse_part, o, lse)
+    return o, lse
+
+
+def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_splits: int | None, *,
+               config: DecodeConfig | None = None):
+    """Grouped-head decode (GQA / MQA / MHA) over a contiguous or paged cache.
+
+    Args:
+        q: ``[B, Hq, S, D]`` (any strides), S new tokens per sequence.
+        k_cache, v_cache: contiguous ``[B, Hkv, N, D]`` / ``[B, Hkv, N, Dv]``, or, when ``block_table``
+            is given, paged ``[num_pages, P, Hkv, D]`` / ``[num_pages, P, Hkv, Dv]``. Any strides.
+        seq_lens: int32 ``[B]`` on q's device: cached tokens including the S new ones. New token s
+            sees positions ``j < seq_lens[b] - S + 1 + s`` (S = 2, seq_len = 5: token 0 sees j <= 3,
+            token 1 sees j <= 4).
+        block_table: int32 ``[B, max_pages]`` or None; only entries below ``ceil(seq_len / P)`` are read.
+        scale: score scale.
+        num_splits: KV intervals per sequence; None picks one (:func:`choose_num_splits`).
+        config: tile override (benchmarks); None uses :func:`default_config`.
+
+    Returns:
+        ``o [B, Hq, S, Dv]`` in q's dtype, ``lse [B, Hq, S]`` float32 (natural log); a row that sees
+        no key gets o = 0 and lse = -inf.
+    """
+    if block_table is None:
+        _, hkv, n, _ = k_cache.shape
+        sb, sh, sn, sd = k_cache.stride()
+        k_strides = (sb, sn, sh, sd)
+        vb, vh, vn, vd = v_cache.stride()
+        v_strides = (vb, vn, vh, vd)
+        page_size, capacity = 1, n
+    else:
+        _, page_size, hkv, _ = k_cache.shape
+        k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        capacity = block_table.shape[1] * page_size
+    return _launch(q, None, k_cache, k_strides, None, None, v_cache, v_strides, seq_lens, block_table, page_size,
+                   hkv, v_cache.shape[-1], scale, num_splits, capacity, False, config)
+
+
+def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float, num_splits: int | None, *,
+               config: DecodeConfig | None = None):
+    """Absorbed MLA decode: MQA with score ``scale * (q_latent . c_j + q_rope . kr_j)`` and value ``c_j``.
+
+    Args:
+        q_latent: ``[B, H, S, Dc]``; q_rope: ``[B, H, S, Dr]`` or None (Dr = 0).
+        kv_latent: contiguous ``[B, N, Dc]`` or paged ``[num_pages, P, Dc]``; k_rope likewise with Dr,
+            or None. Both may be strided views into one ``[..., Dc + Dr]`` buffer.
+        seq_lens, block_table, scale, num_splits, config: as in :func:`gqa_decode`.
+
+    Returns:
+        ``o [B, H, S, Dc]`` in q_latent's dtype, ``lse [B, H, S]`` float32.
+    """
+    if q_latent.dim() == 3:
+        q_latent = q_latent.unsqueeze(2)
+        q_rope = None if q_rope is None else q_rope.unsqueeze(2)
+    if block_table is None:
+        page_size, capacity = 1, kv_latent.shape[1]
+    else:
+        page_size = kv_latent.shape[1]
+        capacity = block_table.shape[1] * page_size
+    so, st, sd = kv_latent.stride()
+    k1_strides = (so, st, 0, sd)
+    k2_strides = (0, 0, 0, 0)
+    if k_rope is not None:
+        ro, rt, rd = k_rope.stride()
+        k2_strides = (ro, rt, 0, rd)
+    return _launch(q_latent, q_rope, kv_latent, k1_strides, k_rope, k2_strides, None, (0, 0, 0, 0), seq_lens,
+                   block_table, page_size, 1, kv_latent.shape[-1], scale, num_splits, capacity, True, config)

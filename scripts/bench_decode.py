@@ -1,0 +1,227 @@
+"""Decode benchmark (bf16, CUDA): our Triton kernels vs the naive einsum absorbed MLA path vs SDPA (GQA),
+paged (page 64) vs contiguous caches.
+
+Reports the median time (triton.testing.do_bench), GB/s of cache read and TFLOP/s, each also as a
+fraction of the H200's measured copy bandwidth (4.25 TB/s) and bf16 matmul rate (687 TFLOP/s).
+Bytes and FLOPs count the tokens actually attended (sum of seq_lens):
+MLA bytes = sum(L) * (Dc + Dr) * 2, FLOPs = 2 * H * sum(L) * (Dc + Dr + Dc);
+GQA bytes = sum(L) * Hkv * (D + Dv) * 2, FLOPs = 2 * Hq * sum(L) * (D + Dv).
+
+    PYTHONPATH=. python3 scripts/bench_decode.py --out docs/bench_decode_latest.md [--sweep] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PEAK_BW = 4.25e12
+PEAK_FLOPS = 687e12
+DC, DR, PAGE = 512, 64, 64
+
+MLA_SHAPES = [(1, 128, 32768), (16, 128, 8192), (64, 128, 4096), (128, 16, 4096), (64, 16, 8192), (128, 128, 8192)]
+SWEEP_MLA = {(64, 128, 4096), (64, 16, 8192), (128, 16, 4096)}  # --sweep times alternative tiles on these
+GQA_SHAPES = [(1, 32, 8, 32768), (32, 32, 8, 8192), (128, 64, 8, 4096)]
+
+
+def _bench(fn):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+
+def _bench_graph(fn):
+    """Median time of one replay of ``fn`` captured in a CUDA graph (no host launch cost), or None."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _bench(graph.replay)
+    except Exception as e:  # report, do not abort the table
+        print(f"graph capture failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return None
+
+
+def _varlen(b, length, gen, device):
+    """Lengths in [3L/4, L], the first one L (so B = 1 is exactly L)."""
+    lens = torch.randint(3 * length // 4, length + 1, (b,), generator=gen)
+    lens[0] = length
+    return lens.to(torch.int32).to(device)
+
+
+def _paged_from_contiguous(buf, gen):
+    """buf [B, N, W] -> (pool [B*N/P, P, W] with pages at a random permutation, block_table int32 [B, N/P])."""
+    b, n, w = buf.shape
+    pages = n // PAGE
+    perm = torch.randperm(b * pages, generator=gen).to(buf.device)
+    pool = torch.empty(b * pages, PAGE, w, dtype=buf.dtype, device=buf.device)
+    pool[perm] = buf.reshape(b * pages, PAGE, w)
+    return pool, perm.view(b, pages).to(torch.int32)
+
+
+def _naive_mla(ql, qr, c, kr, seq_lens, scale):
+    """The einsum absorbed path a model would write without a kernel: scores over the whole cache, masked."""
+    s = torch.einsum("bhd,bnd->bhn", ql, c).float() + torch.einsum("bhd,bnd->bhn", qr, kr).float()
+    n = c.shape[1]
+    mask = torch.arange(n, device=c.device)[None, None, :] < seq_lens[:, None, None]
+    p = torch.softmax((s * scale).masked_fill(~mask, float("-inf")), dim=-1).to(c.dtype)
+    return torch.einsum("bhn,bnd->bhd", p, c)
+
+
+def _fmt(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def bench_mla(args, gen, rows, configs=None):
+    from mla_attn.ops.decode.triton_decode import mla_decode
+
+    dev = "cuda"
+    for b, h, length in MLA_SHAPES:
+        torch.cuda.empty_cache()
+        seq_lens = _varlen(b, length, gen, dev)
+        tokens = int(seq_lens.sum())
+        buf = torch.randn(b, length, DC + DR, generator=gen).to(dev, torch.bfloat16)
+        ql = torch.randn(b, h, DC, generator=gen).to(dev, torch.bfloat16)
+        qr = torch.randn(b, h, DR, generator=gen).to(dev, torch.bfloat16)
+        scale = (128 + 64) ** -0.5
+        pool, table = _paged_from_contiguous(buf, gen)
+        c, kr = buf[..., :DC], buf[..., DC:]
+        pc, pkr = pool[..., :DC], pool[..., DC:]
+        q4, qr4 = ql.unsqueeze(2), qr.unsqueeze(2)
+        nbytes = tokens * (DC + DR) * 2
+        flops = 2 * h * tokens * (DC + DR + DC)
+        cands = {"triton": lambda: mla_decode(q4, qr4, c, kr, seq_lens, None, scale, None),
+                 "triton-paged64": lambda: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None)}
+        if configs and (b, h, length) in SWEEP_MLA:
+            for name, cfg in configs(h).items():
+                cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
+                                                                      config=cfg))
+        if b * h * length <= 64 * 128 * 8192:  # the naive path materialises [B, H, L] fp32 scores
+            cands["einsum"] = lambda: _naive_mla(ql, qr, c, kr, seq_lens, scale)
+        for name, fn in cands.items():
+            try:
+                t = _bench(fn)
+                tg = _bench_graph(fn) if args.graph else None
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                print(f"MLA B={b} H={h} L={length} {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append(dict(op="mla", impl=name, B=b, H=h, L=length, tokens=tokens, us=t * 1e6,
+                             gbs=nbytes / t / 1e9, tflops=flops / t / 1e12,
+                             graph_us=None if tg is None else tg * 1e6,
+                             graph_gbs=None if tg is None else nbytes / tg / 1e9))
+            print(_row_md(rows[-1]), flush=True)
+        del buf, pool, c, kr, pc, pkr
+
+
+def bench_gqa(args, gen, rows, configs=None):
+    from mla_attn.ops.decode.triton_decode import gqa_decode
+
+    dev, d = "cuda", 128
+    for b, hq, hkv, length in GQA_SHAPES:
+        torch.cuda.empty_cache()
+        seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)  # SDPA has no varlen decode
+        tokens = b * length
+        q = torch.randn(b, hq, 1, d, generator=gen).to(dev, torch.bfloat16)
+        k = torch.randn(b, hkv, length, d, generator=gen).to(dev, torch.bfloat16)
+        v = torch.randn(b, hkv, length, d, generator=gen).to(dev, torch.bfloat16)
+        kp, table = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen)
+        vp = torch.empty_like(kp)
+        vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // PAGE, PAGE, hkv * d)
+        kp, vp = kp.view(-1, PAGE, hkv, d), vp.view(-1, PAGE, hkv, d)
+        nbytes = tokens * hkv * 2 * d * 2
+        flops = 2 * hq * tokens * 2 * d
+        cands = {"triton": lambda: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None),
+                 "triton-paged64": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None),
+                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        if configs:
+            for name, cfg in configs(hq // hkv).items():
+                cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
+                                                                     config=cfg)
+        for name, fn in cands.items():
+            try:
+                t = _bench(fn)
+                tg = _bench_graph(fn) if args.graph else None
+            except Exception as e:
+                print(f"GQA B={b} {hq}/{hkv} L={length} {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            rows.append(dict(op="gqa", impl=name, B=b, H=f"{hq}/{hkv}", L=length, tokens=tokens, us=t * 1e6,
+                             gbs=nbytes / t / 1e9, tflops=flops / t / 1e12,
+                             graph_us=None if tg is None else tg * 1e6,
+                             graph_gbs=None if tg is None else nbytes / tg / 1e9))
+            print(_row_md(rows[-1]), flush=True)
+
+
+def _row_md(r):
+    return (f"| {r['op']} | {r['impl']} | {r['B']} | {r['H']} | {r['L']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+            f"{r['gbs'] * 1e9 / PEAK_BW:.2f} | {r['tflops']:.1f} | {r['tflops'] * 1e12 / PEAK_FLOPS:.2f} | "
+            f"{_fmt(r.get('graph_us'))} | {_fmt(r.get('graph_gbs'), 0)} |")
+
+
+HEADER = ("| op | impl | B | H | L | time (us) | GB/s | of 4.25 TB/s | TFLOP/s | of 687 | graph (us) | graph GB/s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _sweep_configs_mla(h):
+    from mla_attn.ops.decode.triton_decode import DecodeConfig as C
+
+    if h >= 64:
+        return {"h64n64w8s1": C(64, 64, 8, 1), "h64n32w8s2": C(64, 32, 8, 2)}
+    return {"h16n64w4s3c1": C(16, 64, 4, 3, 1), "h16n32w8s4c2": C(16, 32, 8, 4, 2), "h16n64w4s2c2": C(16, 64, 4, 2, 2),
+            "h16n16w4s6c2": C(16, 16, 4, 6, 2)}
+
+
+def _sweep_configs_gqa(group):
+    from mla_attn.ops.decode.triton_decode import DecodeConfig as C
+
+    return {"n64w4s4c2": C(16, 64, 4, 4, 2), "n128w4s3c2": C(16, 128, 4, 3, 2)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="markdown path; a .json with the same stem is written beside it")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each call replayed from a CUDA graph (GPU time without host launch overhead)")
+    ap.add_argument("--only", choices=["mla", "gqa"], default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode.py needs a CUDA GPU")
+    import triton
+
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    print(HEADER, flush=True)
+    t0 = time.time()
+    if args.only in (None, "mla"):
+        bench_mla(args, gen, rows, _sweep_configs_mla if args.sweep else None)
+    if args.only in (None, "gqa"):
+        bench_gqa(args, gen, rows, _sweep_configs_gqa if args.sweep else None)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=props.name, sms=props.multi_processor_count,
+                torch=torch.__version__, triton=triton.__version__, seconds=round(time.time() - t0, 1))
+    text = (f"# Decode benchmark ({meta['date']}, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']})\n\n"
+            "bf16, Dc=512, Dr=64 (MLA; varlen lengths in [3L/4, L], bytes/FLOPs from the actual lengths), "
+            "d=128 (GQA, all lengths L); page size 64 with a shuffled block table; "
+            "triton.testing.do_bench median of eager calls (host launch cost included); 'graph' columns: "
+            "the same call replayed from a CUDA graph, as a serving engine runs a decode step.\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Triton decode kernels (GQA / MLA, split-KV, paged) and the combine kernel against the float64 oracle.
+
+Interpreter cases (fp32 / fp16; CPU) run everywhere; ``@pytest.mark.gpu`` cases run bf16 at
+benchmark-like shapes on CUDA.
+
+Tolerances: the kernel's relative error against the float64 oracle must be at most 2x the error of
+the same computation done by PyTorch in the kernel's dtype (``_lowp_*`` below: scores from a
+matmul in the input dtype, softmax in fp32, P rounded to the input dtype before P @ V — the
+rounding points of the kernel), and never needs to beat ``dtype_floor`` (a few units of rounding
+of the output dtype: 2e-5 fp32, 2e-3 fp16, 1.6e-2 bf16). lse is compared in absolute terms:
+``|lse - ref| <= eps * (1 + max|ref|)`` with eps 1e-5 (fp32 accumulate of fp32 inputs) or 1e-4
+(fp32 accumulate of fp16 / bf16 inputs; the oracle sees the same rounded inputs, so only the
+accumulation order differs); -inf must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_attn.ops import decode as decode_ops
+from mla_attn.ops.decode import combine as combine_mod
+from mla_attn.ops.decode import triton_decode as td
+from mla_attn.ops.decode.reference import decode_mask, gather_tokens
+from mla_attn.testing import (SENTINEL_PAGE, assert_close, assert_lse_close, decode_oracle, dtype_floor,
+                              merge_oracle, mla_decode_oracle, to_paged)
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _nan_outputs(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN: an element the kernels do not write fails the test."""
+
+    def nan_empty(*shape, dtype=None, device=None):
+        return torch.full(*shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(td, "_alloc", nan_empty)
+    monkeypatch.setattr(combine_mod, "_alloc", nan_empty)
+
+
+def _lse_atol(dtype, ref):
+    finite = ref[torch.isfinite(ref)]
+    mag = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
+    return (1e-5 if dtype == torch.float32 else 1e-4) * mag
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch in the kernel's dtype: the baseline error the kernel is held to (2x).
+
+def _lowp_softmax_pv(scores, vals, mask, dtype):
+    """scores fp32 [..., R, n], vals [..., n, Dv] (dtype), mask bool broadcastable -> o in dtype."""
+    s = scores.masked_fill(~mask, float("-inf"))
+    alive = mask.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(alive, s, torch.zeros_like(s)), dim=-1) * alive
+    return torch.matmul(p.to(dtype), vals).to(dtype)
+
+
+def _lowp_gqa(q, k_cache, v_cache, seq_lens, block_table, scale):
+    b, hq, s, d = q.shape
+    if block_table is None:
+        k_tok, v_tok = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    else:
+        k_tok, v_tok = k_cache, v_cache
+    hkv = k_tok.shape[2]
+    n = int(seq_lens.max()) if b else 0
+    k, _ = gather_tokens(k_tok, seq_lens, n, block_table)  # [B, n, Hkv, D]
+    v, _ = gather_tokens(v_tok, seq_lens, n, block_table)
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * s, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G*S, n]
+    mask = decode_mask(seq_lens, s, n, q.device).unsqueeze(1).unsqueeze(1).expand(b, 1, g, s, n).reshape(b, 1, g * s, n)
+    o = _lowp_softmax_pv(scores, v.permute(0, 2, 1, 3), mask, q.dtype)
+    return o.reshape(b, hq, s, -1)
+
+
+def _lowp_mla(ql, qr, c_cache, kr_cache, seq_lens, block_table, scale):
+    b, h, s, dc = ql.shape
+    n = int(seq_lens.max()) if b else 0
+    c, _ = gather_tokens(c_cache, seq_lens, n, block_table)  # [B, n, Dc]
+    scores = torch.matmul(ql.reshape(b, h * s, dc), c.transpose(1, 2)).float()
+    if qr is not None:
+        kr, _ = gather_tokens(kr_cache, seq_lens, n, block_table)
+        scores = scores + torch.matmul(qr.reshape(b, h * s, -1), kr.transpose(1, 2)).float()
+    mask = decode_mask(seq_lens, s, n, ql.device).unsqueeze(1).expand(b, h, s, n).reshape(b, h * s, n)
+    return _lowp_softmax_pv(scores * scale, c, mask, ql.dtype).reshape(b, h, s, dc)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input makers
+
+def _paged_pair(caches, seq_lens, page_size, seed):
+    """Page several token-major caches [B, N, ...] with one shared (shuffled) block table."""
+    out, table = [], None
+    for cache in caches:
+        gen = torch.Generator().manual_seed(seed)
+        pool, t = to_paged(cache, seq_lens.cpu(), page_size, generator=gen)
+        if table is not None:
+            assert torch.equal(t, table)
+        table = t
+        out.append(pool)
+    return out, table
+
+
+def _gqa_inputs(b, hq, hkv, d, dv, s, lens, page, dtype, qmul=1.0, strided=False, seed=0):
+    n = max(max(lens), 1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(b, hq, s, d, device=DEV).to(dtype) * qmul
+    if strided:  # q as a transposed view, caches as slices of wider buffers
+        q = torch.randn(b, s, hq, d, device=DEV).to(dtype).mul(qmul).transpose(1, 2)
+    k_tok = torch.randn(b, n, hkv, d, device=DEV).to(dtype)  # token-major
+    v_tok = torch.randn(b, n, hkv, dv, device=DEV).to(dtype)
+    if page is None:
+        k = k_tok.transpose(1, 2)
+        v = v_tok.transpose(1, 2)
+        if strided:
+            kbuf = torch.full((b, hkv, n + 5, d + 3), float("nan"), device=DEV, dtype=dtype)
+            kbuf[:, :, :n, :d] = k
+            k = kbuf[:, :, :n, :d]
+        else:
+            k, v = k.contiguous(), v.contiguous()
+        # NaN in every slot past each sequence's length
+        pos = torch.arange(n, device=DEV)
+        dead = (pos[None, :] >= seq_lens[:, None].long()).view(b, 1, n, 1)
+        k = k.masked_fill(dead, float("nan")) if not strided else k.masked_fill_(dead, float("nan"))
+        v = v.masked_fill(dead, float("nan"))
+        return q, k, v, seq_lens, None
+    (kp, vp), table = _paged_pair([k_tok, v_tok], seq_lens, page, seed)
+    return q, kp, vp, seq_lens, table.to(DEV)
+
+
+def _mla_inputs(b, h, dc, dr, s, lens, page, dtype, qmul=1.0, seed=0):
+    n = max(max(lens), 1)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ql = (torch.randn(b, h, s, dc, device=DEV) * qmul).to(dtype)
+    qr = (torch.randn(b, h, s, dr, device=DEV) * qmul).to(dtype) if dr else None
+    buf = torch.randn(b, n, dc + dr, device=DEV).to(dtype)  # one [.., Dc + Dr] buffer, two views
+    if page is None:
+        pos = torch.arange(n, device=DEV)
+        buf = buf.masked_fill((pos[None, :] >= seq_lens[:, None].long()).unsqueeze(-1), float("nan"))
+        table = None
+    else:
+        (buf,), table = _paged_pair([buf], seq_lens, page, seed)
+        table = table.to(DEV)
+    c = buf[..., :dc]
+    kr = buf[..., dc:] if dr else None
+    return ql, qr, c, kr, seq_lens, table
+
+
+def _check(o, lse, ref_o, ref_lse, base_o, dtype):
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert_close(o, ref_o, floor=dtype_floor(dtype), baseline=base_o)
+    assert_lse_close(lse, ref_lse, atol=_lse_atol(dtype, ref_lse))
+    dead = torch.isneginf(ref_lse)
+    if dead.any():  # rows that see no key: exact zeros
+        assert torch.equal(o[dead].float(), torch.zeros_like(o[dead].float()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter (and GPU) cases: a covering set rather than the cross product.
+
+F32, F16 = torch.float32, torch.float16
+# (B, Hq, Hkv, D, Dv, S, lens, page, splits, dtype, qmul, strided, via_api)
+GQA_CASES = [
+    (3, 4, 4, 64, 64, 1, [0, 17, 100], None, 1, F32, 1.0, False, False),
+    (3, 8, 2, 64, 64, 2, [1, 64, 100], 4, 2, F16, 1.0, False, True),
+    (3, 9, 3, 63, 33, 2, [0, 17, 113], 1, 5, F32, 1.0, False, False),
+    (1, 6, 1, 64, 64, 1, [100], 16, None, F16, 1.0, False, True),
+    (3, 16, 1, 64, 64, 2, [0, 1, 64], None, 5, F16, 100.0, True, False),
+    (3, 9, 3, 64, 64, 1, [17, 64, 100], 16, 2, F32, 100.0, False, True),
+    (1, 4, 4, 64, 64, 1, [0], 4, 2, F32, 1.0, False, False),
+]
+
+
+def _gqa_id(c):
+    b, hq, hkv, d, dv, s, lens, page, splits, dtype, qmul, strided, api = c
+    return (f"B{b}-Hq{hq}-Hkv{hkv}-D{d}-Dv{dv}-S{s}-L{'_'.join(map(str, lens))}-{'P' + str(page) if page else 'contig'}"
+            f"-splits{splits}-{str(dtype)[6:]}" + ("-q100" if qmul != 1 else "") + ("-strided" if strided else "")
+            + ("-api" if api else ""))
+
+
+@pytest.mark.parametrize("case", GQA_CASES, ids=[_gqa_id(c) for c in GQA_CASES])
+def test_gqa_decode(case):
+    b, hq, hkv, d, dv, s, lens, page, splits, dtype, qmul, strided, via_api = case
+    q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, dv, s, lens, page, dtype, qmul, strided)
+    scale = d ** -0.5
+    if via_api:
+        o, lse = decode_ops.decode_attention(q, k, v, seq_lens, block_table=table, scale=scale, num_splits=splits,
+                                             return_lse=True, impl="triton")
+    else:
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, scale, splits)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=scale)
+    base = _lowp_gqa(q, k, v, seq_lens, table, scale)
+    _check(o, lse, ref_o, ref_lse, base, dtype)
+
+
+# (B, H, Dc, Dr, S, lens, page, splits, dtype, qmul, via_api)
+MLA_CASES = [
+    (3, 16, 64, 16, 1, [0, 17, 100], None, 1, F32, 1.0, False),
+    (3, 9, 64, 16, 2, [1, 64, 100], 4, 5, F16, 1.0, True),
+    (1, 4, 512, 64, 1, [100], 16, 2, F32, 1.0, False),
+    (3, 16, 512, 64, 2, [0, 17, 64], 1, None, F16, 1.0, True),
+    (3, 6, 64, 0, 1, [1, 17, 100], 16, 2, F32, 100.0, True),
+    (3, 3, 48, 8, 2, [0, 63, 64], 16, 5, F32, 100.0, False),
+    (1, 1, 64, 16, 1, [113], None, None, F16, 1.0, False),
+    (2, 5, 64, 16, 1, [130, 49], 128, 3, F32, 1.0, False),  # a page larger than the tile
+    (2, 5, 64, 16, 2, [130, 49], 48, 2, F32, 1.0, False),  # a page size that is no power of two
+]
+
+
+def _mla_id(c):
+    b, h, dc, dr, s, lens, page, splits, dtype, qmul, api = c
+    return (f"B{b}-H{h}-Dc{dc}-Dr{dr}-S{s}-L{'_'.join(map(str, lens))}-{'P' + str(page) if page else 'contig'}"
+            f"-splits{splits}-{str(dtype)[6:]}" + ("-q100" if qmul != 1 else "") + ("-api" if api else ""))
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[_mla_id(c) for c in MLA_CASES])
+def test_mla_decode(case):
+    b, h, dc, dr, s, lens, page, splits, dtype, qmul, via_api = case
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(b, h, dc, dr, s, lens, page, dtype, qmul)
+    scale = 0.125
+    if via_api:
+        o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=scale, block_table=table, num_splits=splits,
+                                       return_lse=True, impl="triton")
+    else:
+        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, scale, splits)
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=scale, block_table=table)
+    base = _lowp_mla(ql, qr, c, kr, seq_lens, table, scale)
+    _check(o, lse, ref_o, ref_lse, base, dtype)
+
+
+def test_api_3d_query_matches_4d():
+    """decode_attention with q [B, Hq, D] is the S = 1 case of [B, Hq, 1, D]."""
+    q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [5, 0, 40], 4, F32)
+    o3, lse3 = decode_ops.decode_attention(q[:, :, 0], k, v, seq_lens, block_table=table, return_lse=True,
+                                           impl="triton")
+    ref_o, ref_lse = decode_oracle(q[:, :, 0], k, v, seq_lens, block_table=table)
+    assert o3.shape == (3, 8, 64) and lse3.shape == (3, 8)
+    _check(o3, lse3, ref_o, ref_lse, None, F32)
+
+
+def test_sentinel_block_table_is_not_read():
+    """The block table past each sequence's last page holds 2**31 - 8 (a read would fault or give NaN)."""
+    q, k, v, seq_lens, table = _gqa_inputs(3, 4, 4, 16, 16, 1, [0, 17, 100], 16, F32)
+    assert (table[0] == SENTINEL_PAGE).all() and (table[1, 2:] == SENTINEL_PAGE).all()
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.25, 3)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.25)
+    _check(o, lse, ref_o, ref_lse, None, F32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Combine
+
+MERGE_CASES = [(1, (3, 5), 32, F32), (3, (2, 9), 64, F16), (7, (4,), 48, F32), (3, (2, 3, 1), 512, F32)]
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[f"K{k}-R{'x'.join(map(str, r))}-Dv{dv}-{str(dt)[6:]}"
+                                                   for k, r, dv, dt in MERGE_CASES])
+@pytest.mark.parametrize("via_api", [False, True], ids=["launcher", "api"])
+def test_merge_attention_states(case, via_api):
+    k, rows, dv, dtype = case
+    o_parts = torch.randn((k,) + rows + (dv,), device=DEV).to(dtype)
+    lse_parts = torch.randn((k,) + rows, device=DEV) * 20
+    dead = torch.rand((k,) + rows, device=DEV) < 0.3
+    dead.view(k, -1)[:, 0] = True  # one row with every part dead
+    lse_parts = lse_parts.masked_fill(dead, float("-inf"))
+    o_parts = o_parts.masked_fill(dead.unsqueeze(-1), float("nan"))  # a dead part's o must never be read
+    if via_api:
+        o, lse = decode_ops.merge_attention_states(o_parts, lse_parts, impl="triton")
+    else:
+        o, lse = combine_mod.merge_attention_states_triton(o_parts, lse_parts)
+    ref_o, ref_lse = merge_oracle(o_parts, lse_parts)
+    assert o.dtype == dtype and o.shape == rows + (dv,)
+    assert_close(o, ref_o, floor=dtype_floor(dtype))
+    assert_lse_close(lse, ref_lse, atol=1e-5 * (1 + ref_lse[torch.isfinite(ref_lse)].abs().max().item()))
+    assert torch.equal(o.reshape(-1, dv)[0].float(), torch.zeros(dv, device=DEV))
+
+
+# ----------------------------------------------------------------------------------------------
+# Split heuristic (pure Python)
+
+def test_choose_num_splits():
+    f = td.choose_num_splits
+    assert f(128, 1, 4096, 132) == 1  # a full GPU is not split
+    assert f(1, 2, 32768, 132) >= 32  # batch 1: fill the SMs
+    assert f(1, 1, 100, 132, block_n=64) <= 1  # 100 tokens: fewer than 4 tiles, no split
+    assert f(4, 1, 0, 132) == 1 and f(0, 1, 4096, 132) == 1
+    for b, t in [(1, 2), (3, 1), (16, 2), (64, 1)]:
+        s = f(b, t, 1 << 20, 132)
+        waves = b * t * s / 132
+        assert waves / math.ceil(waves) >= 0.8, (b, t, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16 at benchmark-like shapes, heuristic == single split, CUDA-graph replay.
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [1, 3, 9, 63, 64, 126, 128])
+def test_mla_decode_bf16_gpu(h):
+    lens = [2048, 1, 0, 1500 + h]
+    page = 64 if h % 2 == 0 else None
+    for s in (1, 2) if h in (9, 128) else (1,):
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(4, h, 512, 64, s, lens, page, BF16, seed=h)
+        scale = 192 ** -0.5
+        o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=scale, block_table=table, return_lse=True,
+                                       impl="triton")
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=scale, block_table=table)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, scale), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,page", [(32, 8, 64), (64, 8, None), (12, 4, 16), (8, 1, 1)])
+def test_gqa_decode_bf16_gpu(hq, hkv, page):
+    lens = [3000, 0, 1, 777]
+    q, k, v, seq_lens, table = _gqa_inputs(4, hq, hkv, 128, 128, 1, lens, page, BF16)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 128 ** -0.5, None)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=128 ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 128 ** -0.5), BF16)
+
+
+@pytest.mark.gpu
+def test_heuristic_splits_match_single_split_gpu():
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(1, 128, 512, 64, 1, [8000], 64, BF16)
+    cap = table.shape[1] * 64
+    assert td.choose_num_splits(1, 2, cap, td._num_sms(ql.device)) > 1
+    o_h, lse_h = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, None)
+    o_1, lse_1 = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, 1)
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o_h, lse_h, ref_o, ref_lse, o_1, BF16)  # the split result is as close as the unsplit one (2x)
+    assert_close(o_h, o_1.double(), floor=dtype_floor(BF16))
+    assert (lse_h - lse_1).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_new_seq_lens_gpu():
+    """A captured decode step (heuristic splits) replays correctly after seq_lens and q change in place."""
+    b, h, page, max_pages = 3, 16, 64, 40
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(b, h, 512, 64, 1, [2000, 2500, 1], page, BF16)
+    # Give every sequence max_pages real pages (fresh ones past its current last page), so that
+    # later, longer seq_lens have pages to read. The NaN poison (page tails, unused pages) becomes
+    # random data here: a longer replayed seq_len legitimately reads a former page tail.
+    pool_pages = c.shape[0]
+    big = torch.randn(pool_pages + b * max_pages, page, 576, device=DEV).to(BF16)
+    old = torch.cat([c, kr], -1)
+    big[:pool_pages] = torch.where(torch.isnan(old), big[:pool_pages], old)
+    c, kr = big[..., :512], big[..., 512:]
+    full = (torch.randperm(b * max_pages, device=DEV).view(b, max_pages) + pool_pages).to(torch.int32)
+    used = table != SENTINEL_PAGE
+    full[:, : table.shape[1]] = torch.where(used, table, full[:, : table.shape[1]])
+    table = full
+    seq_lens = torch.tensor([2000, 2500, 1], dtype=torch.int32, device=DEV)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, None)  # warm-up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, None)
+    for lens in ([2000, 2500, 1], [2560, 0, 77], [1, 2559, 1999]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        ql.copy_(torch.randn_like(ql))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
