@@ -2,7 +2,7 @@
 """KV-cache calculator: bytes per token and per sequence for the configs in configs/ (or given files).
 
     python scripts/kv_cache.py                       # every configs/*.json, bf16, 32k and 128k context
-    python scripts/kv_cache.py configs/deepseek-v3.json --context 131072 --batch 64 --dtype-bytes 1
+    python scripts/kv_cache.py configs/DeepSeek-V3.json --context 131072 --batch 64 --dtype-bytes 1
     python scripts/kv_cache.py --plot docs/kv_cache.png
 
 For each model: the cache it really keeps (GQA: K and V of each KV head; MLA: the latent plus the

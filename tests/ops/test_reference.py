@@ -139,3 +139,13 @@ def test_fp16_reference_within_twice_pytorch_error():
     o = attention(q, k, v, causal=True, impl="reference")
     o_ref = attention_oracle(q, k, v, causal=True)[0]
     assert_close(o, o_ref, floor=dtype_floor(torch.float16))
+
+
+def test_zero_new_tokens_give_empty_outputs():
+    seq_lens = torch.tensor([3, 0], dtype=torch.int32)
+    o = mla_decode(torch.randn(2, 4, 0, 16), torch.randn(2, 4, 0, 4), torch.randn(2, 5, 16), torch.randn(2, 5, 4),
+                   seq_lens, scale=1.0, impl="reference")
+    assert o.shape == (2, 4, 0, 16)
+    o = decode_attention(torch.randn(2, 4, 0, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 8), seq_lens,
+                         impl="reference")
+    assert o.shape == (2, 4, 0, 8)

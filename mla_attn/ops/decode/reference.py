@@ -75,15 +75,15 @@ def mla_decode_reference(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_ta
     acc = torch.float64 if q_latent.dtype == torch.float64 else torch.float32
     c, _ = gather_tokens(kv_latent, seq_lens, n_max, block_table)  # [B, n, Dc]
     c = c.to(acc)
-    scores = torch.matmul(q_latent.reshape(b, h * s, -1).to(acc), c.transpose(1, 2))  # [B, H*S, n]
+    scores = torch.matmul(q_latent.reshape(b, h * s, q_latent.shape[-1]).to(acc), c.transpose(1, 2))  # [B, H*S, n]
     if q_rope is not None:
         kr, _ = gather_tokens(k_rope, seq_lens, n_max, block_table)  # [B, n, Dr]
-        scores = scores + torch.matmul(q_rope.reshape(b, h * s, -1).to(acc), kr.to(acc).transpose(1, 2))
+        scores = scores + torch.matmul(q_rope.reshape(b, h * s, q_rope.shape[-1]).to(acc), kr.to(acc).transpose(1, 2))
     scores = scores * scale
     mask = decode_mask(seq_lens, s, n_max, q_latent.device)  # [B, S, n]
     mask = mask.unsqueeze(1).expand(b, h, s, n_max).reshape(b, h * s, n_max)
     o, lse = masked_softmax_attention(scores, c, mask)
-    return o.reshape(b, h, s, -1).to(q_latent.dtype), lse.reshape(b, h, s).float()
+    return o.reshape(b, h, s, q_latent.shape[-1]).to(q_latent.dtype), lse.reshape(b, h, s).float()
 
 
 def merge_reference(o_parts, lse_parts):
