@@ -25,7 +25,9 @@ step() {  # step NAME COMMAND...: run, log, remember failure, keep going
   "$@" || { echo "!! $name failed"; status=1; }
   echo "== $name took $((SECONDS - t0)) s"
 }
-step "gpu tests" bash -c "$PY -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tee '$out/gpu_tests.log' | tail -25; exit \${PIPESTATUS[0]}"
+# the GPU-marked tests, and the layers' Triton wiring (which runs on CUDA when a GPU is present)
+step "gpu tests" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+step "layers on cuda" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench attention" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
 fi
