@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mla_attn import attention
 from mla_attn.ops.attention import triton_fwd
 from mla_attn.ops.attention.function import flash_attention
 from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
@@ -293,10 +294,21 @@ def test_gpu_matches_oracle(case, dtype, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128), (576, 512)], ids=lambda d: str(d))
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128)], ids=lambda d: str(d))
 def test_gpu_float32_fits(dqk, dv, poison):
     # fp32 tiles are twice as large: the launcher must pick (or fall back to) tiles that fit.
     _check(1, 4, 2, 300, 333, dqk, dv, True, torch.float32, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_float32_wide_heads_are_refused_by_triton_and_run_by_auto():
+    # fp32 at 576/512 did not finish compiling in minutes on the H200 (2026-12-02): the public op
+    # refuses it under impl="triton" and runs the reference under "auto".
+    q = torch.randn(1, 2, 40, 576, device="cuda")
+    k, v = torch.randn(1, 1, 50, 576, device="cuda"), torch.randn(1, 1, 50, 512, device="cuda")
+    with pytest.raises(ValueError, match="float32 only up to head dims 256"):
+        attention(q, k, v, impl="triton")
+    torch.testing.assert_close(attention(q, k, v), attention(q, k, v, impl="reference"))
 
 
 @pytest.mark.gpu

@@ -7,6 +7,8 @@ import torch
 from .._common import check_dim, check_float, check_same_device, check_same_dtype, resolve_impl
 from .reference import attention_reference
 
+FP32_MAX_HEAD_DIM = 256  # widest fp32 head the Triton kernels take on CUDA (see attention())
+
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               impl: str = "auto"):
@@ -63,6 +65,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if scale is None:
         scale = dqk ** -0.5
     which = resolve_impl(impl, q, k, v, op="attention")
+    if which == "triton" and q.is_cuda and q.dtype == torch.float32 and max(dqk, v.shape[-1]) > FP32_MAX_HEAD_DIM:
+        # fp32 dots run as exact FMA code (no tensor cores); at 576/512 its compile did not finish in
+        # minutes on the H200. Wide fp32 heads stay on the reference path until that is tuned.
+        if impl == "triton":
+            raise ValueError(f"attention: impl='triton' runs float32 only up to head dims {FP32_MAX_HEAD_DIM}, got "
+                             f"Dqk={dqk}, Dv={v.shape[-1]}; use bf16/fp16 or impl='reference'")
+        which = "reference"
     if which == "triton":
         from .function import flash_attention
 
