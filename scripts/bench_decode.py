@@ -1,5 +1,5 @@
 """Decode benchmark (bf16, CUDA): our Triton kernels vs the naive einsum absorbed MLA path vs SDPA (GQA),
-paged (page 64) vs contiguous caches.
+paged (page 64 and page 1) vs contiguous caches.
 
 Reports the median time (triton.testing.do_bench), GB/s of cache read and TFLOP/s, each also as a
 fraction of the H200's measured copy bandwidth (4.25 TB/s) and bf16 matmul rate (687 TFLOP/s).
@@ -60,13 +60,13 @@ def _varlen(b, length, gen, device):
     return lens.to(torch.int32).to(device)
 
 
-def _paged_from_contiguous(buf, gen):
+def _paged_from_contiguous(buf, gen, page=PAGE):
     """buf [B, N, W] -> (pool [B*N/P, P, W] with pages at a random permutation, block_table int32 [B, N/P])."""
     b, n, w = buf.shape
-    pages = n // PAGE
+    pages = n // page
     perm = torch.randperm(b * pages, generator=gen).to(buf.device)
-    pool = torch.empty(b * pages, PAGE, w, dtype=buf.dtype, device=buf.device)
-    pool[perm] = buf.reshape(b * pages, PAGE, w)
+    pool = torch.empty(b * pages, page, w, dtype=buf.dtype, device=buf.device)
+    pool[perm] = buf.reshape(b * pages, page, w)
     return pool, perm.view(b, pages).to(torch.int32)
 
 
@@ -101,8 +101,11 @@ def bench_mla(args, gen, rows, configs=None):
         q4, qr4 = ql.unsqueeze(2), qr.unsqueeze(2)
         nbytes = tokens * (DC + DR) * 2
         flops = 2 * h * tokens * (DC + DR + DC)
+        pool1, table1 = _paged_from_contiguous(buf, gen, page=1)  # page size 1: one table entry per token
         cands = {"triton": lambda: mla_decode(q4, qr4, c, kr, seq_lens, None, scale, None),
-                 "triton-paged64": lambda: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None)}
+                 "triton-paged64": lambda: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None),
+                 "triton-paged1": lambda: mla_decode(q4, qr4, pool1[..., :DC], pool1[..., DC:], seq_lens, table1,
+                                                     scale, None)}
         if configs and (b, h, length) in SWEEP_MLA:
             for name, cfg in configs(h).items():
                 cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
@@ -121,7 +124,7 @@ def bench_mla(args, gen, rows, configs=None):
                              graph_us=None if tg is None else tg * 1e6,
                              graph_gbs=None if tg is None else nbytes / tg / 1e9))
             print(_row_md(rows[-1]), flush=True)
-        del buf, pool, c, kr, pc, pkr
+        del buf, pool, c, kr, pc, pkr, pool1, table1
 
 
 def bench_gqa(args, gen, rows, configs=None):
@@ -139,10 +142,15 @@ def bench_gqa(args, gen, rows, configs=None):
         vp = torch.empty_like(kp)
         vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // PAGE, PAGE, hkv * d)
         kp, vp = kp.view(-1, PAGE, hkv, d), vp.view(-1, PAGE, hkv, d)
+        kp1, table1 = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen, page=1)
+        vp1 = torch.empty_like(kp1)
+        vp1[table1.view(-1).long()] = v.transpose(1, 2).reshape(b * length, 1, hkv * d)
+        kp1, vp1 = kp1.view(-1, 1, hkv, d), vp1.view(-1, 1, hkv, d)
         nbytes = tokens * hkv * 2 * d * 2
         flops = 2 * hq * tokens * 2 * d
         cands = {"triton": lambda: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None),
                  "triton-paged64": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None),
+                 "triton-paged1": lambda: gqa_decode(q, kp1, vp1, seq_lens, table1, d ** -0.5, None),
                  "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
         if configs:
             for name, cfg in configs(hq // hkv).items():

@@ -10,6 +10,10 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 status=0
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA GPU visible to $PY; run this on a GPU machine" >&2
+  exit 2
+fi
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -18,22 +22,27 @@ status=0
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-step() {  # step NAME COMMAND...: run, log, remember failure, keep going
-  local name=$1; shift
-  echo "== $name"
-  local t0=$SECONDS
-  "$@" || { echo "!! $name failed"; status=1; }
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember failure, keep going
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit} s)"
+  local t0=$SECONDS rc=0
+  timeout "$limit" "$@" || rc=$?
+  [ $rc -eq 124 ] && echo "!! $name stopped at its ${limit} s limit"
+  [ $rc -ne 0 ] && { echo "!! $name failed (rc $rc)"; status=1; }
   echo "== $name took $((SECONDS - t0)) s"
 }
+# Limits keep one slow step (a kernel that compiles for minutes) from eating the whole device call;
+# scale them with GPU_CHECK_SCALE=2 on a slower machine.
+lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 # the GPU-marked tests, and the layers' Triton wiring (which runs on CUDA when a GPU is present)
-step "gpu tests" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-step "layers on cuda" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
+step "gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
-  step "bench attention" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
+  step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
 fi
 if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
-  step "bench decode" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
+  step "bench decode" "$(lim 150)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
 fi
-step "demo on cuda" bash -c "$PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
+step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 echo "gpu_check status: $status"
 exit $status
