@@ -7,6 +7,7 @@ The algebra, the shapes and the FLOP / byte comparison of the factored and fused
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -117,15 +118,23 @@ def attention_dims(config: Any) -> AttentionDims:
             raise ValueError(f"config: missing {name!r} (needed for MLA weight shapes)")
         return value
 
-    q_lora_rank = get("q_lora_rank", None)
+    def size(name, default=...):
+        value = get(name, default)
+        if value is None and default is None:
+            return None
+        try:
+            return operator.index(value)  # ints, numpy ints; not None, floats or strings
+        except TypeError:
+            raise ValueError(f"config: {name!r} must be an integer, got {value!r}") from None
+
     return AttentionDims(
-        hidden_size=int(get("hidden_size")),
-        num_attention_heads=int(get("num_attention_heads")),
-        kv_lora_rank=int(get("kv_lora_rank")),
-        qk_nope_head_dim=int(get("qk_nope_head_dim")),
-        qk_rope_head_dim=int(get("qk_rope_head_dim")),
-        v_head_dim=int(get("v_head_dim")),
-        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        hidden_size=size("hidden_size"),
+        num_attention_heads=size("num_attention_heads"),
+        kv_lora_rank=size("kv_lora_rank"),
+        qk_nope_head_dim=size("qk_nope_head_dim"),
+        qk_rope_head_dim=size("qk_rope_head_dim"),
+        v_head_dim=size("v_head_dim"),
+        q_lora_rank=size("q_lora_rank", None),
         attention_bias=bool(get("attention_bias", False)),
     )
 

@@ -23,7 +23,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .absorb import ABSORBED_NAMES, EXPANDED_NAMES, AttentionDims, absorb_mla_weights, attention_dims
+from .absorb import (
+    ABSORBED_NAMES,
+    EXPANDED_NAMES,
+    AttentionDims,
+    _config_mapping,
+    absorb_mla_weights,
+    attention_dims,
+)
 from .fp8 import SCALE_SUFFIX, block_size_from_config, dequantize_fp8_block, scale_shape
 
 __all__ = ["CheckpointError", "convert_checkpoint", "load_checkpoint"]
@@ -84,6 +91,8 @@ class _Folder:
                 self.config = json.loads(config_path.read_text())
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"cannot parse: {e}", file=config_path) from None
+            if not isinstance(self.config, dict):
+                raise CheckpointError(f"expected a JSON object, got {type(self.config).__name__}", file=config_path)
         elif need_config:
             raise CheckpointError("missing (needed for the model's sizes)", file=config_path)
         index_path = self.root / INDEX_NAME
@@ -97,10 +106,11 @@ class _Folder:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"cannot parse the shard index: {e!r}", file=self.index_path) from None
             self.weight_map = dict(weight_map)
-            for fname in set(self.weight_map.values()):
-                if not (self.root / fname).is_file():
-                    name = next(n for n, f in self.weight_map.items() if f == fname)
-                    raise CheckpointError(f"shard listed in {INDEX_NAME} is missing", file=self.root / fname, tensor=name)
+            bad = next((n for n, f in self.weight_map.items() if not isinstance(f, str)), None)
+            if bad is not None:
+                raise CheckpointError(f"weight_map value {self.weight_map[bad]!r} is not a file name", file=self.index_path, tensor=bad)
+            # Shards are checked when first needed (`read_headers`), so reading a few layers works
+            # from a partial download that holds only their shards.
         else:
             files = sorted(p.name for p in self.root.glob("*.safetensors"))
             if not files:
@@ -140,6 +150,8 @@ class _Folder:
         for fname in files:
             if fname in self._headers_read:
                 continue
+            if not (self.root / fname).is_file():
+                raise CheckpointError(f"shard listed in {INDEX_NAME} is missing", file=self.root / fname, tensor=min(expected[fname]))
             present = set(self._header(fname))
             missing = sorted(expected[fname] - present)
             if missing:
@@ -236,6 +248,15 @@ class _Reader:
                 t = dequantize_fp8_block(t, scale, self.block_size, dtype=dtype)
             except ValueError as e:
                 raise CheckpointError(str(e), file=self.folder.file_of(name), tensor=name) from None
+            # A block quantizer never writes NaN (e4m3fn has no inf; it saturates at +-448), so a
+            # non-finite value is a damaged shard or scale, or a value too large for `dtype`.
+            if not torch.isfinite(t).all():
+                raise CheckpointError(
+                    f"non-finite values after dequantizing to {t.dtype} (NaN in the float8 data or "
+                    f"its {SCALE_SUFFIX.lstrip('_')}, or a value beyond the range of {t.dtype})",
+                    file=self.folder.file_of(name),
+                    tensor=name,
+                )
             return t, True
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
@@ -254,6 +275,8 @@ def _parse_layers(folder: _Folder) -> dict[int, dict[str, str]]:
 
 def _num_hidden_layers(*configs) -> int | None:
     for c in configs:
+        if isinstance(c, (str, os.PathLike)):
+            c = _config_mapping(c)  # a config.json path, or the folder holding one
         if c is None:
             continue
         if isinstance(c, Mapping):
@@ -269,7 +292,7 @@ def _num_hidden_layers(*configs) -> int | None:
 def _validate_layer(folder: _Folder, layer: int, names: dict[str, str], dims: AttentionDims) -> None:
     """Check one layer's attention tensors against the config: presence, shapes, FP8 scales."""
     shapes = dims.expected_shapes()
-    required = [n for n in shapes if n.endswith(".weight")]
+    required = [n for n in shapes if n not in ABSORBED_NAMES]  # weights, norms, and biases when attention_bias
     has_absorbed = "w_uk" in names and "w_uv" in names
     index_file = folder.index_path or folder.root
     for short in required:
@@ -425,9 +448,13 @@ def load_checkpoint(
         if short in EXPANDED_NAMES or short in ("w_uk", "w_uv")
     )
     out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in wanted}
+    # Layers whose stored w_uk / w_uv are compared with kv_b_proj as stored (FP8 -> float32);
+    # every other tensor is cast as it is read, so float32 copies of all layers never coexist.
+    to_check = {i for i, names in needed.items() if "kv_b_proj.weight" in names and ("w_uk" in names or "w_uv" in names)}
     with _Reader(folder, block_size) as reader:
         for _fname, i, short, full in plan:
-            out[i][short], _ = reader.get(full, None)  # as stored (FP8 -> float32)
+            as_stored = i in to_check and short in ("kv_b_proj.weight", "w_uk", "w_uv")
+            out[i][short], _ = reader.get(full, None if as_stored else dtype)
     for i, weights in out.items():
         if "kv_b_proj.weight" in weights and ("w_uk" in weights or "w_uv" in weights):
             _check_absorbed_fresh(i, weights, dims, folder.root)
@@ -475,7 +502,10 @@ class _ShardWriter:
         if not self.buffer:
             return
         fname = f"part-{len(self.parts):05d}.safetensors"
-        save_file(self.buffer, str(self.folder / fname), metadata={"format": "pt"})
+        try:
+            save_file(self.buffer, str(self.folder / fname), metadata={"format": "pt"})
+        except SafetensorError as e:  # an I/O failure (disk full, quota) surfaces as SafetensorError
+            raise OSError(f"cannot write {self.folder / fname}: {e}") from None
         self.parts.append((fname, list(self.buffer)))
         self.buffer = {}
         self.buffer_bytes = 0
@@ -537,12 +567,15 @@ def convert_checkpoint(
     output is built in a temporary folder beside ``dst`` and renamed into place at the end, so an
     error leaves no partial output. An existing ``dst`` is refused unless ``overwrite``.
 
-    Returns the destination path. Raises CheckpointError (a ValueError) naming the file and tensor,
-    or FileExistsError.
+    Returns the destination path. Raises CheckpointError (a ValueError) naming the file and tensor
+    (also for an FP8 weight that dequantizes to NaN or overflows ``dtype``, found while streaming),
+    ValueError for a ``dst`` that is, lies in, or holds ``src``, FileExistsError, or OSError when
+    writing fails (disk full).
     """
     src_path, dst_path = Path(src).resolve(), Path(dst).resolve()
-    if dst_path == src_path or src_path in dst_path.parents:
-        raise ValueError(f"dst: {dst_path} must not be the source folder or inside it")
+    if dst_path == src_path or src_path in dst_path.parents or dst_path in src_path.parents:
+        # dst inside src would be copied into itself; src inside dst would be deleted by overwrite.
+        raise ValueError(f"dst: {dst_path} must not be the source folder, inside it, or a folder holding it")
     if dst_path.exists() and not overwrite:
         raise FileExistsError(f"dst: {dst_path} already exists (pass overwrite=True / --overwrite to replace it)")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
@@ -584,8 +617,7 @@ def convert_checkpoint(
 
     # ---- Stream. ----
     tmp = dst_path.parent / f".{dst_path.name}.partial-{uuid.uuid4().hex[:8]}"
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    created_parents = [p for p in dst_path.parents if not p.exists()]  # deepest first
     record = {
         "source": str(src_path),
         "dtype": str(dtype).replace("torch.", ""),
@@ -599,6 +631,8 @@ def convert_checkpoint(
         "dropped_absorbed_tensors": len(stale),
     }  # fmt: skip
     try:
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         from tqdm.auto import tqdm
 
         by_file = defaultdict(list)
@@ -644,6 +678,11 @@ def convert_checkpoint(
         _replace(tmp, dst_path, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created_parents:  # only folders this call made, and only while empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     logger.info(
         "converted %s -> %s: %d FP8 tensors dequantized, %d layers absorbed, %d shards",
@@ -660,11 +699,13 @@ def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"dst: {dst} appeared while converting; not overwriting it")
     old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(dst, old)
     try:
+        os.rename(dst, old)
         os.rename(tmp, dst)
     except BaseException:
-        os.rename(old, dst)
+        # Also when interrupted right after the first rename returned: put the old dst back.
+        if old.exists() and not dst.exists():
+            os.rename(old, dst)
         raise
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)

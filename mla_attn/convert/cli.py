@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.dst} left as it was (no partial output)", file=sys.stderr)
+        return 130
     if not args.quiet:
         print(f"wrote {dst}")
     return 0

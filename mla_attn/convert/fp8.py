@@ -60,6 +60,8 @@ def block_size_from_config(config: Mapping[str, Any] | None) -> tuple[int, int] 
     qc = (config or {}).get("quantization_config")
     if qc is None:
         return None
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"quantization_config must be a JSON object, got {qc!r}")
     method = qc.get("quant_method")
     if method not in KNOWN_QUANT_METHODS:
         raise ValueError(
@@ -73,7 +75,7 @@ def block_size_from_config(config: Mapping[str, Any] | None) -> tuple[int, int] 
     if (
         not isinstance(block, (list, tuple))
         or len(block) != 2
-        or not all(isinstance(b, int) and b > 0 for b in block)
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise ValueError(
             f"quantization_config.weight_block_size must be two positive ints, got {block!r}"
