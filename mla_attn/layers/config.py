@@ -74,7 +74,9 @@ class MLAConfig:
 
     ``q_lora_rank=None`` means a plain ``q_proj`` (V2-Lite, Moonlight). ``qk_rope_head_dim`` may be 0
     (no rotary part). ``num_hidden_layers`` (optional, not part of the layer) lets
-    :meth:`kv_cache_bytes_per_token` answer for a whole model.
+    :meth:`kv_cache_bytes_per_token` answer for a whole model. ``rms_norm_eps`` is the model's (its
+    decoder norms'), as in the Hugging Face config: the layer's own q_a / kv_a norms use 1e-6 whatever it
+    says, as DeepSeek's code and transformers do (Moonlight's config says 1e-5).
     """
 
     hidden_size: int

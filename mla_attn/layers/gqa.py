@@ -68,9 +68,11 @@ class GroupedQueryAttention(nn.Module):
     def from_config(cls, config, impl: str = "auto", *, device=None, dtype=None) -> "GroupedQueryAttention":
         """From a :class:`GQAConfig`, a transformers Llama config, a config.json dict, or a path to one."""
         cfg = config if isinstance(config, GQAConfig) else GQAConfig.from_hf(config)
-        return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta,
-                   cfg.rope_scaling, cfg.attention_bias, impl, max_position_embeddings=cfg.max_position_embeddings,
-                   device=device, dtype=dtype)
+        # By name: the MHA / MQA presets inherit this and take head_dim third.
+        return cls(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                   num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                   rope_scaling=cfg.rope_scaling, attention_bias=cfg.attention_bias, impl=impl,
+                   max_position_embeddings=cfg.max_position_embeddings, device=device, dtype=dtype)
 
     def new_cache(self, batch_size: int, max_seq_len: int, page_size: int | None = None, dtype=None, device=None, *,
                   num_pages: int | None = None, shuffle_seed: int | None = None) -> KVCache | PagedKVCache:

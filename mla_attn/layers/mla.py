@@ -35,6 +35,9 @@ from .config import MLAConfig
 
 PATHS = ("expanded", "absorbed")
 _DERIVED_KEYS = ("w_uk", "w_uv", "w_q_absorbed", "w_o_absorbed")
+# q_a_layernorm / kv_a_layernorm: DeepSeek's code and transformers' DeepseekV2/V3Attention build them with
+# the default eps, not config.rms_norm_eps (the decoder norms'); the two differ for Moonlight (1e-5).
+ATTN_NORM_EPS = 1e-6
 
 
 class RMSNorm(nn.Module):
@@ -84,11 +87,11 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(c.hidden_size, h * self.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, ATTN_NORM_EPS, **kw)
             self.q_b_proj = nn.Linear(c.q_lora_rank, h * self.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
                                             bias=c.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, ATTN_NORM_EPS, **kw)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=c.attention_bias, **kw)
         self.rotary_emb = (RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling,

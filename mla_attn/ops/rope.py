@@ -81,6 +81,9 @@ def normalize_rope_scaling(rope_scaling: Mapping[str, Any] | None,
             raise ValueError(f"rope_scaling of type 'yarn' needs 'factor' (or max_position_embeddings), "
                              f"got {dict(rope_scaling)}")
         rs["factor"] = max_position_embeddings / rs["original_max_position_embeddings"]
+    factor = rs["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"rope_scaling['factor'] must be a positive number, got {factor!r}")
     if kind == "llama3" and rs["high_freq_factor"] == rs["low_freq_factor"]:
         raise ValueError(f"rope_scaling: llama3 needs high_freq_factor != low_freq_factor, got {dict(rope_scaling)}")
     rs["rope_type"] = kind
