@@ -62,9 +62,17 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"q's heads (Hq={hq}) must be a multiple of k's heads (Hkv={hkv}): "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if dqk == 0:
+        raise ValueError(f"q and k need a head dim (Dqk) of at least 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if scale is None:
         scale = dqk ** -0.5
     which = resolve_impl(impl, q, k, v, op="attention")
+    if which == "triton" and not float(scale) > 0:
+        # The kernels mask hidden keys with -inf before scaling and take the row max before scaling:
+        # both need scale > 0 (scale = 0 gives NaN, a negative scale wrong rows).
+        if impl == "triton":
+            raise ValueError(f"attention: impl='triton' needs scale > 0, got {scale}; use impl='reference'")
+        which = "reference"
     if which == "triton" and q.is_cuda and q.dtype == torch.float32 and max(dqk, v.shape[-1]) > FP32_MAX_HEAD_DIM:
         # fp32 dots run as exact FMA code (no tensor cores); at 576/512 its compile did not finish in
         # minutes on the H200. Wide fp32 heads stay on the reference path until that is tuned.

@@ -32,21 +32,21 @@ def _(q, k, v, causal, scale):
 
 
 @torch.library.custom_op("mla_attn::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+def _flash_attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor,
                        causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return flash_attn_bwd(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
-                          o.contiguous(), lse.contiguous(), causal, scale)
+                          o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
 
 
 @_flash_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
+def _(do, q, k, v, o, lse, dlse, causal, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """o, lse = FlashAttnFunction.apply(q, k, v, causal, scale); gradients flow to q, k, v only."""
+    """o, lse = FlashAttnFunction.apply(q, k, v, causal, scale); gradients of o and lse flow to q, k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
@@ -54,13 +54,13 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.scale = scale
-        ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
+        # d lse_i / d s_ij = p_ij, so lse's gradient enters as dS = P * (dP - (delta - dlse)).
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.mla_attn.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = torch.ops.mla_attn.flash_attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -68,7 +68,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float)
     """Triton flash attention (inputs already validated by api.py).
 
     q [B, Hq, M, Dqk], k [B, Hkv, N, Dqk], v [B, Hkv, N, Dv] (Hq % Hkv == 0, kv_head = q_head // (Hq // Hkv)),
-    any strides. Returns o [B, Hq, M, Dv] in q.dtype and lse float32 [B, Hq, M] (natural log, not
+    any strides. Returns o [B, Hq, M, Dv] in q.dtype and lse float32 [B, Hq, M] (natural log, both
     differentiable). Causal is aligned bottom-right: query row i sees keys j <= i + N - M; a row that sees
     no key gives o = 0, lse = -inf and zero gradients. Under autocast the inputs are cast to the autocast
     dtype first (as ``torch.amp.custom_fwd(cast_inputs=...)`` would), so the kernel runs in fp16/bf16.

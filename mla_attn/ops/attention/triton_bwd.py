@@ -56,13 +56,16 @@ def _bwd_preprocess(
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q
     i_h = pid_bh % H_Q
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    o_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < M) & (offs_d[None, :] < D_V)
-    O += i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-    DO += i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
-    b_o = tl.load(O + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
-    b_do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    # int64 row offsets: start_m * stride_dom can pass 2^31 for a strided dO.
+    O += i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
+    DO += i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh + start_m.to(tl.int64) * stride_dom
+    b_o = tl.load(O + o_mb[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    b_do = tl.load(DO + o_mb[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(DELTA + pid_bh.to(tl.int64) * M + offs_m, b_delta, mask=offs_m < M)
 
@@ -89,18 +92,21 @@ def _dkdv_inner(
         start_m = tl.multiple_of(start_m, BLOCK_M)
         o_m = start_m + offs_mb  # [BLOCK_M]
         m_m = o_m < M
-        b_q0 = tl.load(Q + o_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+        # Row tile base in int64 (start_m * stride can pass 2^31); rows within it use offs_mb.
+        Qm = Q + tl.cast(start_m, tl.int64) * stride_qm
+        DOm = DO + tl.cast(start_m, tl.int64) * stride_dom
+        b_q0 = tl.load(Qm + offs_mb[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
                        mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_M, BLOCK_DQK0]
         b_sT = tl.dot(k0, tl.trans(b_q0), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
         if BLOCK_DQK1 > 0:
-            b_q1 = tl.load(Q + o_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+            b_q1 = tl.load(Qm + offs_mb[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
                            mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
             b_sT += tl.dot(k1, tl.trans(b_q1), input_precision=DOT_PREC)
         b_lse2 = _load_lse2(LSE, o_m, M)
         b_pT = tl.math.exp2(b_sT * qk_scale - b_lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             b_pT = tl.where(offs_n[:, None] <= o_m[None, :] + causal_shift, b_pT, 0.0)
-        b_do = tl.load(DO + o_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+        b_do = tl.load(DOm + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                        mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
         dv = tl.dot(b_pT.to(b_do.dtype), b_do, dv, input_precision=DOT_PREC)
         b_delta = tl.load(DELTA + o_m, mask=m_m, other=0.0)
@@ -138,6 +144,12 @@ def _bwd_dkdv_kernel(
 
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    # Key rows: the block's base in int64 (start_n * stride_kn can pass 2^31), o_nb within it.
+    o_nb = tl.arange(0, BLOCK_N)
+    K += start_n.to(tl.int64) * stride_kn
+    V += start_n.to(tl.int64) * stride_vn
+    DK += start_n.to(tl.int64) * stride_dkn
+    DV += start_n.to(tl.int64) * stride_dvn
     offs_mb = tl.arange(0, BLOCK_M)
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
@@ -145,14 +157,14 @@ def _bwd_dkdv_kernel(
     m_n = offs_n < N
 
     # K/V tiles of this program's keys stay in registers: [BLOCK_N, BLOCK_DQK0], [BLOCK_N, BLOCK_DV].
-    k0 = tl.load(K + offs_n[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
+    k0 = tl.load(K + o_nb[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
                  mask=m_n[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)
     if BLOCK_DQK1 > 0:
-        k1 = tl.load(K + offs_n[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
+        k1 = tl.load(K + o_nb[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
                      mask=m_n[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
     else:
         k1 = k0
-    v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + o_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     dk0 = tl.zeros([BLOCK_N, BLOCK_DQK0], dtype=tl.float32)
     dk1 = tl.zeros([BLOCK_N, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16], dtype=tl.float32)
@@ -191,13 +203,13 @@ def _bwd_dkdv_kernel(
         )
 
     dk0 = dk0 * scale
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_dq0[None, :], dk0.to(DK.dtype.element_ty),
+    tl.store(DK + o_nb[:, None] * stride_dkn + offs_dq0[None, :], dk0.to(DK.dtype.element_ty),
              mask=m_n[:, None] & (offs_dq0[None, :] < D_QK))
     if BLOCK_DQK1 > 0:
         dk1 = dk1 * scale
-        tl.store(DK + offs_n[:, None] * stride_dkn + offs_dq1[None, :], dk1.to(DK.dtype.element_ty),
+        tl.store(DK + o_nb[:, None] * stride_dkn + offs_dq1[None, :], dk1.to(DK.dtype.element_ty),
                  mask=m_n[:, None] & (offs_dq1[None, :] < D_QK))
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + o_nb[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=m_n[:, None] & (offs_dv[None, :] < D_V))
 
 
@@ -214,11 +226,14 @@ def _dq_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + offs_nb  # [BLOCK_N]
         m_n = o_n < N
-        b_k0 = tl.load(K + o_n[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
+        # Key tile base in int64 (start_n * stride can pass 2^31); keys within it use offs_nb.
+        Kn = K + tl.cast(start_n, tl.int64) * stride_kn
+        Vn = V + tl.cast(start_n, tl.int64) * stride_vn
+        b_k0 = tl.load(Kn + offs_nb[:, None] * stride_kn + offs_dq0[None, :] * stride_kd,
                        mask=m_n[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_N, BLOCK_DQK0]
         b_s = tl.dot(q0, tl.trans(b_k0), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if BLOCK_DQK1 > 0:
-            b_k1 = tl.load(K + o_n[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
+            b_k1 = tl.load(Kn + offs_nb[:, None] * stride_kn + offs_dq1[None, :] * stride_kd,
                            mask=m_n[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
             b_s += tl.dot(q1, tl.trans(b_k1), input_precision=DOT_PREC)
         b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
@@ -227,7 +242,7 @@ def _dq_inner(
             if CAUSAL:
                 visible = visible & (o_n[None, :] <= offs_m[:, None] + causal_shift)
             b_p = tl.where(visible, b_p, 0.0)
-        b_v = tl.load(V + o_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        b_v = tl.load(Vn + offs_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
         b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k0.dtype)
@@ -267,20 +282,25 @@ def _bwd_dq_kernel(
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    # Query rows: the block's base in int64 (start_m * stride can pass 2^31), o_mb within it.
+    o_mb = tl.arange(0, BLOCK_M)
+    Q += start_m.to(tl.int64) * stride_qm
+    DO += start_m.to(tl.int64) * stride_dom
+    DQ += start_m.to(tl.int64) * stride_dqm
     offs_nb = tl.arange(0, BLOCK_N)
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_m = offs_m < M
 
-    q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+    q0 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
                  mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)  # [BLOCK_M, BLOCK_DQK0]
     if BLOCK_DQK1 > 0:
-        q1 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+        q1 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
                      mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
     else:
         q1 = q0
-    b_do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    b_do = tl.load(DO + o_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                    mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
     b_lse2 = _load_lse2(LSE + row, offs_m, M)
     b_delta = tl.load(DELTA + row + offs_m, mask=m_m, other=0.0)
@@ -309,11 +329,11 @@ def _bwd_dq_kernel(
         D_QK, D_V, BLOCK_DQK1, True, CAUSAL, BLOCK_N, DOT_PREC,
     )
     dq0 = dq0 * scale
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_dq0[None, :], dq0.to(DQ.dtype.element_ty),
+    tl.store(DQ + o_mb[:, None] * stride_dqm + offs_dq0[None, :], dq0.to(DQ.dtype.element_ty),
              mask=m_m[:, None] & (offs_dq0[None, :] < D_QK))
     if BLOCK_DQK1 > 0:
         dq1 = dq1 * scale
-        tl.store(DQ + offs_m[:, None] * stride_dqm + offs_dq1[None, :], dq1.to(DQ.dtype.element_ty),
+        tl.store(DQ + o_mb[:, None] * stride_dqm + offs_dq1[None, :], dq1.to(DQ.dtype.element_ty),
                  mask=m_m[:, None] & (offs_dq1[None, :] < D_QK))
 
 
@@ -328,6 +348,7 @@ def flash_attn_bwd(
     scale: float,
     dkdv_config: tuple[int, int, int, int] | None = None,
     dq_config: tuple[int, int, int, int] | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash attention backward.
 
@@ -357,6 +378,10 @@ def flash_attn_bwd(
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), *do.stride(), Hq, M,
         D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m,
     )
+    if dlse is not None:
+        # lse's own gradient: dS = P * (dP - delta + dlse). Rows with lse = -inf have P = 0; their dlse
+        # is dropped so that a NaN there cannot reach dS (0 * NaN).
+        delta -= torch.where(torch.isneginf(lse), torch.zeros_like(dlse, dtype=torch.float32), dlse.float())
 
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg

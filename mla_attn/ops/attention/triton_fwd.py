@@ -114,20 +114,22 @@ def _fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         o_n = start_n + offs_n  # [BLOCK_N]
         m_n = o_n < N
+        # Row offsets of this key tile in int64: start_n * stride can pass 2^31 (strided [B, N, H, D] views).
+        off_kn = tl.cast(start_n, tl.int64) * stride_kn
+        off_vn = tl.cast(start_n, tl.int64) * stride_vn
         # k^T tiles: [BLOCK_DQK, BLOCK_N]
         if MASKED:
-            b_k0 = tl.load(k_ptrs0 + start_n * stride_kn, mask=m_n[None, :], other=0.0)
+            b_k0 = tl.load(k_ptrs0 + off_kn, mask=m_n[None, :], other=0.0)
         else:
-            b_k0 = tl.load(k_ptrs0 + start_n * stride_kn)
+            b_k0 = tl.load(k_ptrs0 + off_kn)
         b_s = tl.dot(q0, b_k0, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] fp32
         if BLOCK_DQK1 > 0:
             if MASKED:
-                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn,
-                               mask=m_n[None, :] & (offs_dq1[:, None] < D_QK), other=0.0)
+                b_k1 = tl.load(k_ptrs1 + off_kn, mask=m_n[None, :] & (offs_dq1[:, None] < D_QK), other=0.0)
             elif PAD_DQK1:
-                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn, mask=offs_dq1[:, None] < D_QK, other=0.0)
+                b_k1 = tl.load(k_ptrs1 + off_kn, mask=offs_dq1[:, None] < D_QK, other=0.0)
             else:
-                b_k1 = tl.load(k_ptrs1 + start_n * stride_kn)
+                b_k1 = tl.load(k_ptrs1 + off_kn)
             b_s += tl.dot(q1, b_k1, input_precision=DOT_PREC)
         if MASKED:
             visible = m_n[None, :]
@@ -142,12 +144,12 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            b_v = tl.load(v_ptrs + start_n * stride_vn,
+            b_v = tl.load(v_ptrs + off_vn,
                           mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
         elif PAD_DV:
-            b_v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < D_V, other=0.0)
+            b_v = tl.load(v_ptrs + off_vn, mask=offs_dv[None, :] < D_V, other=0.0)
         else:
-            b_v = tl.load(v_ptrs + start_n * stride_vn)
+            b_v = tl.load(v_ptrs + off_vn)
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -183,6 +185,11 @@ def _flash_fwd_kernel(
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    # Pointers step to row start_m in int64 (start_m * stride_qm can pass 2^31 for a strided
+    # [B, M, H, D] view); rows within the block use the small offsets o_mb.
+    o_mb = tl.arange(0, BLOCK_M)
+    Q += start_m.to(tl.int64) * stride_qm
+    O += start_m.to(tl.int64) * stride_om
     offs_n = tl.arange(0, BLOCK_N)
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
@@ -194,13 +201,13 @@ def _flash_fwd_kernel(
 
     # q tiles [BLOCK_M, BLOCK_DQK0] (+ tail [BLOCK_M, BLOCK_DQK1]) stay in registers.
     if PAD_DQK0:
-        q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+        q0 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
                      mask=m_m[:, None] & (offs_dq0[None, :] < D_QK), other=0.0)
     else:
-        q0 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
+        q0 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
                      mask=m_m[:, None], other=0.0)
     if BLOCK_DQK1 > 0:
-        q1 = tl.load(Q + offs_m[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
+        q1 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq1[None, :] * stride_qd,
                      mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
     else:
         q1 = q0
@@ -245,7 +252,7 @@ def _flash_fwd_kernel(
     b_o = acc / l_safe[:, None]
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + offs_m, b_lse, mask=m_m)
-    o_ptrs = O + offs_m[:, None] * stride_om + offs_dv[None, :]
+    o_ptrs = O + o_mb[:, None] * stride_om + offs_dv[None, :]
     if PAD_DV:
         tl.store(o_ptrs, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & (offs_dv[None, :] < D_V))
     else:

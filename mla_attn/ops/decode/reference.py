@@ -88,6 +88,9 @@ def mla_decode_reference(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_ta
 
 def merge_reference(o_parts, lse_parts):
     """o_parts [K, ..., Dv], lse_parts [K, ...] -> (o [..., Dv] in o_parts.dtype, lse [...] fp32)."""
+    if o_parts.shape[0] == 0:  # no parts: as if every part were -inf
+        return (o_parts.new_zeros(o_parts.shape[1:]),
+                torch.full(lse_parts.shape[1:], float("-inf"), dtype=torch.float32, device=lse_parts.device))
     lse = lse_parts.float()
     m = lse.amax(dim=0)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

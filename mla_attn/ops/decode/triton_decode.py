@@ -260,7 +260,10 @@ def default_config(rows: int, d_qk: int, d_v: int, dtype: torch.dtype, *, mla: b
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
             d_v, scale, num_splits, capacity, mla, config):
     b, h, s, d1 = q1.shape
+    if q2 is not None and q2.shape[-1] == 0:  # a zero-width rope block is no rope block (never read)
+        q2 = k2 = None
     d2 = 0 if q2 is None else q2.shape[-1]
+    seq_lens = seq_lens.contiguous()  # the kernel reads SEQ_LENS + b: a strided view must not reach it
     group = h // num_kv_heads
     rows = group * s
     device = q1.device
