@@ -16,6 +16,19 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 from mla_attn.convert.fp8 import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 
+# Prepended to the peak-memory subprocess scripts: resident-set readings from /proc (Linux only).
+PEAK_RSS_HELPERS = """
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+        f.write("5")
+"""
+
 YARN = {
     "rope_type": "yarn",
     "factor": 4.0,

@@ -18,7 +18,7 @@ from mla_attn.convert import CheckpointError, absorb_mla_weights, convert_checkp
 from mla_attn.convert.cli import main as cli_main
 from mla_attn.convert.fp8 import dequantize_fp8_block
 
-from convert_fixtures import FP8_BLOCK
+from convert_fixtures import FP8_BLOCK, PEAK_RSS_HELPERS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -305,7 +305,7 @@ def test_cli(hf_plain, tmp_path, capsys):
     assert r.returncode == 0 and "--no-absorb" in r.stdout
 
 
-PEAK_SCRIPT = textwrap.dedent(
+PEAK_SCRIPT = PEAK_RSS_HELPERS + textwrap.dedent(
     """
     import json, os, sys, torch
     from safetensors.torch import save_file
@@ -337,13 +337,8 @@ PEAK_SCRIPT = textwrap.dedent(
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
     del w, q, s, part
 
-    def rss(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
     base = rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
-        f.write("5")
+    reset_peak()
     convert_checkpoint(src, dst, progress=False, max_shard_size=48 * MB)
     print(json.dumps({"peak_mib": (rss("VmHWM:") - base) / MB}))
     """

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from mla_attn.convert import CheckpointError, convert_checkpoint, load_checkpoint
 from mla_attn.convert.cli import main as cli_main
+from convert_fixtures import PEAK_RSS_HELPERS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,7 +232,7 @@ def test_load_from_a_partial_download(hf_lora, tmp_path):
 
 # ---------------------------------------------------------------- load_checkpoint memory
 
-LOAD_PEAK_SCRIPT = textwrap.dedent(
+LOAD_PEAK_SCRIPT = PEAK_RSS_HELPERS + textwrap.dedent(
     """
     import json, os, sys, torch
     from safetensors.torch import save_file
@@ -258,13 +259,8 @@ LOAD_PEAK_SCRIPT = textwrap.dedent(
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
     del q, s, part
 
-    def rss(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
     base = rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
-        f.write("5")
+    reset_peak()
     out = load_checkpoint(src, dtype=torch.bfloat16)
     kept = sum(t.numel() * t.element_size() for w in out.values() for t in w.values())
     print(json.dumps({"peak_mib": (rss("VmHWM:") - base) / MB, "returned_mib": kept / MB}))
