@@ -1,0 +1,188 @@
+"""Tile / variant sweep on the GPU: times each kernel under alternative configs so the tables in
+triton_fwd.py, triton_bwd.py and triton_decode.py can be chosen from measurements.
+
+    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa] [--out sweep.json]
+
+Every line printed is one measurement: kernel, shape, variant, median ms (triton.testing.do_bench),
+and the rate. Decode variants are timed as CUDA-graph replays (GPU time, no host launch cost).
+A config that fails to compile is printed as failed, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+RESULTS: list[dict] = []
+
+
+def _ms(fn):
+    return do_bench(fn, warmup=25, rep=80, return_mode="median")
+
+
+def _record(kind, shape, variant, fn, work, unit):
+    try:
+        ms = fn()
+    except Exception as e:  # out of resources, an unsupported variant: report and go on
+        print(f"{kind:10s} {shape:28s} {variant:40s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        RESULTS.append(dict(kind=kind, shape=shape, variant=variant, ms=None))
+        return
+    rate = work / (ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
+    print(f"{kind:10s} {shape:28s} {variant:40s} {ms:8.4f} ms {rate:7.1f} {unit}", flush=True)
+    RESULTS.append(dict(kind=kind, shape=shape, variant=variant, ms=ms, rate=rate, unit=unit))
+
+
+def _accepts(fn, name):
+    return name in inspect.signature(fn).parameters
+
+
+def sweep_attn(args):
+    from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
+    from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
+
+    tma_opts = [False, True] if _accepts(flash_attn_fwd, "tma") else [None]
+    btma_opts = [False, True] if _accepts(flash_attn_bwd, "tma") else [None]
+    rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128)]
+    fwd_cfgs = {128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 2),
+                      (64, 64, 4, 3), (128, 32, 8, 3)],
+                192: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]}
+    dkdv_cfgs = {128: [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2), (64, 64, 4, 3),
+                       (32, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)],
+                 192: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)]}
+    dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (128, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2),
+                     (128, 32, 8, 3), (64, 32, 4, 5)],
+               192: [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)]}
+    for (b, hq, hkv, n, dqk, dv) in rows:
+        q = torch.randn(b, hq, n, dqk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, n, dv, device="cuda", dtype=torch.bfloat16)
+        scale = dqk ** -0.5
+        flops = 2.0 * b * hq * n * n * (dqk + dv) / 2
+        shape = f"{b}x{hq}/{hkv}x{n} d{dqk}/{dv}"
+        o, lse = flash_attn_fwd(q, k, v, True, scale)
+        do = torch.randn_like(o)
+        for tma in tma_opts:
+            kw = {} if tma is None else {"tma": tma}
+            for cfg in fwd_cfgs[dqk]:
+                _record("fwd", shape, f"{cfg} tma={tma}",
+                        lambda: _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg, **kw)), flops, "TFLOP/s")
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        _record("fwd", shape, "sdpa", lambda: _ms(lambda: sdpa(q, k, v, is_causal=True, scale=scale)), flops, "TFLOP/s")
+        for tma in btma_opts:
+            kw = {} if tma is None else {"tma": tma}
+            for cfg in dkdv_cfgs[dqk]:  # whole backward, dQ at its table entry
+                _record("bwd-dkdv", shape, f"{cfg} tma={tma}",
+                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg, **kw)),
+                        2.5 * flops, "TFLOP/s")
+            for cfg in dq_cfgs[dqk]:  # whole backward, dK/dV at its table entry
+                _record("bwd-dq", shape, f"{cfg} tma={tma}",
+                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg, **kw)),
+                        2.5 * flops, "TFLOP/s")
+        if args.extra_bwd is not None:
+            args.extra_bwd(_record, _ms, shape, flops, do, q, k, v, o, lse, scale)
+
+
+def _graph_ms(fn):
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _ms(g.replay)
+
+
+def sweep_mla(args):
+    sys.path.insert(0, "scripts")
+    from bench_decode import _paged_from_contiguous, _varlen
+
+    from mla_attn.ops.decode import triton_decode as td
+    C = td.DecodeConfig
+    try:
+        from mla_attn.ops.decode.triton_decode_tma import mla_decode_tma
+    except Exception:  # not there yet, or mid-edit
+        mla_decode_tma = None
+    shapes = [(128, 16, 4096), (64, 16, 8192), (1, 128, 32768), (16, 128, 8192), (64, 128, 4096)]
+    cfgs = {16: [None, C(16, 32, 4, 4, 2), C(16, 64, 4, 3, 1), C(16, 32, 4, 3, 2), C(16, 64, 8, 3, 1),
+                 C(16, 32, 4, 2, 3), C(16, 64, 4, 2, 2)],
+            128: [None, C(64, 64, 8, 2), C(64, 32, 8, 3), C(64, 64, 8, 3), C(32, 64, 4, 2, 2), C(64, 32, 8, 2)]}
+    gen = torch.Generator().manual_seed(0)
+    for b, h, length in shapes:
+        seq_lens = _varlen(b, length, gen, "cuda")
+        tokens = int(seq_lens.sum())
+        buf = torch.randn(b, length, 576, generator=gen).to("cuda", torch.bfloat16)
+        q4 = torch.randn(b, h, 1, 512, generator=gen).to("cuda", torch.bfloat16)
+        qr4 = torch.randn(b, h, 1, 64, generator=gen).to("cuda", torch.bfloat16)
+        pool, table = _paged_from_contiguous(buf, gen)
+        scale = 192 ** -0.5
+        nbytes = tokens * 576 * 2
+        shape = f"B{b} H{h} L{length}"
+        for cfg in cfgs[h]:
+            name = "default" if cfg is None else f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}c{cfg.ctas_per_sm}"
+            _record("mla", shape, f"paged64 {name}", lambda: _graph_ms(
+                lambda: td.mla_decode(q4, qr4, pool[..., :512], pool[..., 512:], seq_lens, table, scale, None,
+                                      config=cfg)), nbytes, "GB/s")
+            if cfg is None:
+                _record("mla", shape, f"contig {name}", lambda: _graph_ms(
+                    lambda: td.mla_decode(q4, qr4, buf[..., :512], buf[..., 512:], seq_lens, None, scale, None)),
+                    nbytes, "GB/s")
+            if mla_decode_tma is not None:
+                _record("mla", shape, f"tma paged64 {name}", lambda: _graph_ms(
+                    lambda: mla_decode_tma(q4, qr4, pool[..., :512], pool[..., 512:], seq_lens, table, scale, None,
+                                           config=cfg)), nbytes, "GB/s")
+                if cfg is None:
+                    _record("mla", shape, f"tma contig {name}", lambda: _graph_ms(
+                        lambda: mla_decode_tma(q4, qr4, buf[..., :512], buf[..., 512:], seq_lens, None, scale, None)),
+                        nbytes, "GB/s")
+
+
+def sweep_gqa(args):
+    from mla_attn.ops.decode import triton_decode as td
+    C = td.DecodeConfig
+    b, hq, hkv, length, d = 1, 32, 8, 32768, 128
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    nbytes = b * length * hkv * 2 * d * 2
+    shape = f"B{b} {hq}/{hkv} L{length}"
+    for cfg in [None, C(16, 128, 4, 3, 2), C(16, 64, 4, 4, 2), C(16, 128, 4, 4, 1), C(16, 64, 4, 3, 4),
+                C(16, 128, 8, 3, 1), C(16, 32, 4, 4, 4)]:
+        for splits in [None, 16, 32, 64]:
+            name = ("default" if cfg is None else
+                    f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}c{cfg.ctas_per_sm}") + f" splits={splits}"
+            _record("gqa", shape, name, lambda: _graph_ms(
+                lambda: td.gqa_decode(q, k, v, lens, None, d ** -0.5, splits, config=cfg)), nbytes, "GB/s")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    _record("gqa", shape, "sdpa", lambda: _graph_ms(lambda: sdpa(q, k, v, enable_gqa=True)), nbytes, "GB/s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.extra_bwd = None
+    if not torch.cuda.is_available():
+        sys.exit("sweep_tiles.py needs a CUDA GPU")
+    t0 = time.time()
+    for part in args.only or ["attn", "mla", "gqa"]:
+        {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa}[part](args)
+        print(f"-- {part} done at {time.time() - t0:.0f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
