@@ -288,6 +288,37 @@ def test_choose_num_splits():
         assert waves / math.ceil(waves) >= 0.8, (b, t, s)
 
 
+def test_out_of_resources_falls_back_to_smaller_tiles(monkeypatch):
+    """A default tile that does not fit the GPU (raised at compile time) is replaced by a smaller one,
+    once per problem key, and the answer is still right; a pinned config is never replaced."""
+    from triton.runtime.errors import OutOfResources
+
+    real = td._decode_kernel
+    seen = []
+
+    class Picky:  # compiles only tiles of at most 16 keys
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["BLOCK_N"])
+                if kw["BLOCK_N"] > 16:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(td, "_decode_kernel", Picky())
+    monkeypatch.setattr(td, "_fitted", {})
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(2, 4, 64, 16, 1, [0, 45], None, F32)
+    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, 2)
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, None, 0.125), F32)
+    assert seen[0] > 16 and seen[-1] == 16 and len(td._fitted) == 1
+    seen.clear()
+    td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, 2)
+    assert seen == [16]  # remembered: no second failed compile
+    with pytest.raises(OutOfResources):
+        td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, 2, config=td.DecodeConfig(16, 32, 4, 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: bf16 at benchmark-like shapes, heuristic == single split, CUDA-graph replay.
 

@@ -243,18 +243,53 @@ def _pow2(x: int, lo: int = 16) -> int:
 
 
 def default_config(rows: int, d_qk: int, d_v: int, dtype: torch.dtype, *, mla: bool, device: torch.device) -> DecodeConfig:
-    """Tile shapes per problem class (tuned on an H200; see docs/bench_decode_latest.md)."""
+    """Tile shapes per problem class, timed on an H200 as CUDA-graph replays (scripts/sweep_tiles.py;
+    docs/benchmarks.md). fp32 tiles hold twice the bytes: they get half the keys per tile."""
     if device.type != "cuda":  # the interpreter: big tiles, few iterations
         return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=32, num_warps=4, num_stages=1)
+    wide = dtype == torch.float32
     if mla:
         if rows > 32:
-            return DecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+            return DecodeConfig(block_h=64, block_n=32 if wide else 64, num_warps=8, num_stages=2)
         if rows > 16:
-            return DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=3)
-        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=4, ctas_per_sm=2)
+            return DecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=2 if wide else 3)
+        # Memory-bound (H <= 16): 64-key tiles, three stages in flight, one program per SM: 3400 GB/s
+        # at B=128 H=16 L=4096 against 2570 for the earlier 32-key, two-per-SM tiles.
+        return DecodeConfig(block_h=16, block_n=32 if wide else 64, num_warps=4, num_stages=3, ctas_per_sm=1)
     if max(d_qk, d_v) <= 128:
-        return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=128, num_warps=4, num_stages=3, ctas_per_sm=2)
-    return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)
+        # One program per SM for the split heuristic: at B=1 it picks 16 splits (2690 GB/s) where
+        # counting two per SM picked 33 (2470 GB/s); large batches do not split either way.
+        return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=64 if wide else 128, num_warps=4, num_stages=3,
+                            ctas_per_sm=1)
+    return DecodeConfig(block_h=min(_pow2(rows), 64), block_n=16 if wide else 32, num_warps=4, num_stages=3,
+                        ctas_per_sm=2)
+
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - very old triton
+    OutOfResources = RuntimeError
+
+_fitted: dict = {}  # (kernel key) -> the config that compiled, when the first choice did not fit
+
+
+def _smaller(cfg: DecodeConfig):
+    """Configs to try after ``cfg`` ran out of shared memory or registers: fewer stages, then fewer keys."""
+    stages, block_n = cfg.num_stages, cfg.block_n
+    while stages > 1 or block_n > 16:
+        if stages > 1:
+            stages -= 1
+        else:
+            block_n //= 2
+        yield DecodeConfig(cfg.block_h, block_n, cfg.num_warps, stages, cfg.ctas_per_sm)
+
+
+def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
+    """Keys per tile: a page of 16 or more keys smaller than the tile becomes the tile, so that a tile
+    never leaves its page (one block-table lookup per tile)."""
+    if paged and 16 <= page_size < block_n and page_size & (page_size - 1) == 0:
+        return page_size
+    return block_n
 
 
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
@@ -268,23 +303,24 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     rows = group * s
     device = q1.device
     cfg = config or default_config(rows, d1 + d2, d_v, q1.dtype, mla=mla, device=device)
-    head_tiles = triton.cdiv(rows, cfg.block_h)
     paged = block_table is not None
-    block_n = cfg.block_n
-    if paged and 16 <= page_size < block_n and page_size & (page_size - 1) == 0:
-        block_n = page_size  # keep tiles inside a page: one block-table lookup per tile
+    # A default that did not fit this GPU (shared memory, registers) was replaced once by a smaller one.
+    fit_key = (cfg, q1.dtype, d1, d2, d_v, s, paged, page_size, v is None, device.index)
+    cfg = _fitted.get(fit_key, cfg)
+    head_tiles = triton.cdiv(rows, cfg.block_h)
     if num_splits is None:
         num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
-                                       block_n=block_n, ctas_per_sm=cfg.ctas_per_sm)
+                                       block_n=_tile_keys(cfg.block_n, paged, page_size), ctas_per_sm=cfg.ctas_per_sm)
     o = _alloc((b, h, s, d_v), dtype=q1.dtype, device=device)
     lse = _alloc((b, h, s), dtype=torch.float32, device=device)
     if o.numel() == 0 or lse.numel() == 0:
         return o, lse.fill_(float("-inf"))
     if num_splits == 1:
         o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        o_part = _alloc((num_splits, b, h, s, d_v), dtype=torch.float32, device=device)
-        lse_part = _alloc((num_splits, b, h, s), dtype=torch.float32, device=device)
+    else:  # one buffer for both partials: one allocation fewer on the host path
+        part = _alloc((num_splits * b * h * s * (d_v + 1),), dtype=torch.float32, device=device)
+        o_part = part[: num_splits * b * h * s * d_v].view(num_splits, b, h, s, d_v)
+        lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
 
     bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
     bt_strides = block_table.stride() if paged else (0, 0)
@@ -294,22 +330,41 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
     grid = (b * num_kv_heads * head_tiles, num_splits)
-    _decode_kernel[grid](
-        q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
-        scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles,
-        *q1.stride(), *q2_strides,
-        *k1_strides, *k2_strides, *v_strides,
-        *bt_strides,
-        *o_part.stride(), *lse_part.stride(),
-        S=s,
-        D1=d1, D2=max(d2, 1), DV=d_v,
-        BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
-        BLOCK_H=cfg.block_h, BLOCK_N=block_n,
-        PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
-        HAS_K2=q2 is not None, V_IS_K1=v is None,
-        IEEE=q1.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+
+    def run(c: DecodeConfig):
+        block_n = _tile_keys(c.block_n, paged, page_size)
+        _decode_kernel[grid](
+            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
+            scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles,
+            *q1.stride(), *q2_strides,
+            *k1_strides, *k2_strides, *v_strides,
+            *bt_strides,
+            *o_part.stride(), *lse_part.stride(),
+            S=s,
+            D1=d1, D2=max(d2, 1), DV=d_v,
+            BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
+            BLOCK_H=c.block_h, BLOCK_N=block_n,
+            PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
+            HAS_K2=q2 is not None, V_IS_K1=v is None,
+            IEEE=q1.dtype == torch.float32,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+
+    if config is not None or fit_key in _fitted:
+        run(cfg)  # a pinned config is run as asked (an error says it does not fit)
+    else:
+        # Out-of-resources is raised while compiling, on the host, before anything is queued: trying
+        # a smaller config costs one compile per key, never a device synchronisation.
+        for c in (cfg, *_smaller(cfg)):
+            try:
+                run(c)
+            except OutOfResources:
+                continue
+            if c != cfg:
+                _fitted[fit_key] = c
+            break
+        else:
+            raise RuntimeError(f"decode: no tile configuration fits this GPU, starting from {cfg}")
     if num_splits > 1:
         combine_splits(o_part, lse_part, o, lse)
     return o, lse
