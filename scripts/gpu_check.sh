@@ -35,13 +35,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember f
 # scale them with GPU_CHECK_SCALE=2 on a slower machine.
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 # the GPU-marked tests, and the layers' Triton wiring (which runs on CUDA when a GPU is present)
-step "gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+step "gpu tests" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
 step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
 fi
 if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
-  step "bench decode" "$(lim 150)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
+  step "bench decode" "$(lim 200)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
 fi
 step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 echo "gpu_check status: $status"

@@ -49,15 +49,12 @@ def sweep_attn(args):
     tma_opts = [False, True] if _accepts(flash_attn_fwd, "tma") else [None]
     btma_opts = [False, True] if _accepts(flash_attn_bwd, "tma") else [None]
     rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128)]
-    fwd_cfgs = {128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 8, 2),
-                      (64, 64, 4, 3), (128, 32, 8, 3)],
-                192: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]}
-    dkdv_cfgs = {128: [(64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2), (64, 64, 4, 3),
-                       (32, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)],
-                 192: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)]}
-    dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (128, 32, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2),
-                     (128, 32, 8, 3), (64, 32, 4, 5)],
-               192: [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)]}
+    fwd_cfgs = {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)],
+                192: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)]}
+    dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 128, 8, 3, 32), (64, 64, 4, 3), (64, 64, 4, 3, 32)],
+                 192: [(64, 128, 8, 3), (64, 128, 8, 3, 32)]}
+    dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 4), (128, 128, 8, 2)],
+               192: [(128, 64, 8, 3), (128, 32, 4, 3)]}
     for (b, hq, hkv, n, dqk, dv) in rows:
         q = torch.randn(b, hq, n, dqk, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16)
@@ -108,14 +105,9 @@ def sweep_mla(args):
 
     from mla_attn.ops.decode import triton_decode as td
     C = td.DecodeConfig
-    try:
-        from mla_attn.ops.decode.triton_decode_tma import mla_decode_tma
-    except Exception:  # not there yet, or mid-edit
-        mla_decode_tma = None
     shapes = [(128, 16, 4096), (64, 16, 8192), (1, 128, 32768), (16, 128, 8192), (64, 128, 4096)]
-    cfgs = {16: [None, C(16, 32, 4, 4, 2), C(16, 64, 4, 3, 1), C(16, 32, 4, 3, 2), C(16, 64, 8, 3, 1),
-                 C(16, 32, 4, 2, 3), C(16, 64, 4, 2, 2)],
-            128: [None, C(64, 64, 8, 2), C(64, 32, 8, 3), C(64, 64, 8, 3), C(32, 64, 4, 2, 2), C(64, 32, 8, 2)]}
+    cfgs = {16: [None, C(16, 32, 4, 4, 2), C(16, 32, 4, 3, 2), C(16, 64, 4, 3, 2), C(16, 64, 8, 3, 1)],
+            128: [None, C(64, 32, 8, 3), C(64, 64, 8, 1)]}
     gen = torch.Generator().manual_seed(0)
     for b, h, length in shapes:
         seq_lens = _varlen(b, length, gen, "cuda")
@@ -136,14 +128,6 @@ def sweep_mla(args):
                 _record("mla", shape, f"contig {name}", lambda: _graph_ms(
                     lambda: td.mla_decode(q4, qr4, buf[..., :512], buf[..., 512:], seq_lens, None, scale, None)),
                     nbytes, "GB/s")
-            if mla_decode_tma is not None:
-                _record("mla", shape, f"tma paged64 {name}", lambda: _graph_ms(
-                    lambda: mla_decode_tma(q4, qr4, pool[..., :512], pool[..., 512:], seq_lens, table, scale, None,
-                                           config=cfg)), nbytes, "GB/s")
-                if cfg is None:
-                    _record("mla", shape, f"tma contig {name}", lambda: _graph_ms(
-                        lambda: mla_decode_tma(q4, qr4, buf[..., :512], buf[..., 512:], seq_lens, None, scale, None)),
-                        nbytes, "GB/s")
 
 
 def sweep_gqa(args):

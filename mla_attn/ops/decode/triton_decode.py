@@ -306,7 +306,9 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     paged = block_table is not None
     # A default that did not fit this GPU (shared memory, registers) was replaced once by a smaller one.
     fit_key = (cfg, q1.dtype, d1, d2, d_v, s, paged, page_size, v is None, device.index)
-    cfg = _fitted.get(fit_key, cfg)
+    refitted = config is None and fit_key in _fitted
+    if refitted:
+        cfg = _fitted[fit_key]
     head_tiles = triton.cdiv(rows, cfg.block_h)
     if num_splits is None:
         num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
@@ -350,8 +352,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
-    if config is not None or fit_key in _fitted:
-        run(cfg)  # a pinned config is run as asked (an error says it does not fit)
+    if config is not None or refitted:
+        run(cfg)  # a pinned config runs as asked (an error says it does not fit); a refitted one is known to fit
     else:
         # Out-of-resources is raised while compiling, on the host, before anything is queued: trying
         # a smaller config costs one compile per key, never a device synchronisation.
