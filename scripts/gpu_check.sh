@@ -16,7 +16,7 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
 fi
 {
   date -u +"date: %Y-%m-%d %H:%M UTC"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} (GIT_COMMIT overrides: a copied checkout may carry a stale .git)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'sms', torch.cuda.get_device_properties(0).multi_processor_count)"
 } > "$out/env.txt" 2>&1
