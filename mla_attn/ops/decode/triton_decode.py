@@ -102,19 +102,23 @@ def _decode_kernel(
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum
     b_acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
 
-    if PAGED and TILE_IN_PAGE:
-        # The page of the next tile is loaded one iteration ahead (loop-carried), so that the K/V
+    if PAGED:
+        # The page(s) of the next tile are loaded one iteration ahead (loop-carried), so that the K/V
         # loads do not hang off a block-table load of the same iteration: Triton's pipeliner then
-        # multi-buffers them as in the contiguous case. Only tiles < hi are looked up.
+        # multi-buffers them as in the contiguous case. Only tokens < hi are looked up, so entries
+        # past a sequence's last page are never read.
         p_bt = BLOCK_TABLE + i_b64 * stride_btb
-        next_page = tl.load(p_bt + (lo // PAGE_SIZE) * stride_btp, mask=lo < hi, other=0)
+        if TILE_IN_PAGE:
+            next_page = tl.load(p_bt + (lo // PAGE_SIZE) * stride_btp, mask=lo < hi, other=0)
+        else:  # pages smaller than a tile: one table entry per token
+            next_pages = tl.load(p_bt + ((lo + o_nl) // PAGE_SIZE) * stride_btp, mask=lo + o_nl < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         o_n = start + o_nl  # [BLOCK_N] token positions
         m_n = o_n < hi
         if PAGED and not TILE_IN_PAGE:
-            # Per-token page lookup, only for tokens < hi: entries past the last page are never read.
-            p_bt = BLOCK_TABLE + i_b64 * stride_btb + (o_n // PAGE_SIZE) * stride_btp
-            page = tl.load(p_bt, mask=m_n, other=0).to(tl.int64)
+            page = next_pages.to(tl.int64)
+            o_next = o_n + BLOCK_N
+            next_pages = tl.load(p_bt + (o_next // PAGE_SIZE) * stride_btp, mask=o_next < hi, other=0)
             within = (o_n % PAGE_SIZE).to(tl.int64)
             p_k1 = K1 + kvh64 * stride_k1h + (page * stride_k1o + within * stride_k1t)[:, None] + o_d1[None, :] * stride_k1d
             if HAS_K2:
