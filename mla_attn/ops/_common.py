@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -9,11 +10,23 @@ import torch
 IMPLS = ("auto", "triton", "reference")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. Plain Python: ``triton.cdiv`` goes through Triton's JIT-function wrapper,
+    a few microseconds per call on the host path of a decode step."""
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1); plain Python, like :func:`cdiv`."""
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
 def triton_interpreting() -> bool:
     """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1`` set before import)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import cdiv, next_pow2
+
 _alloc = torch.empty  # output buffers (tests swap in a NaN-filled allocator)
 
 
@@ -60,11 +62,11 @@ def _launch(o_parts3, lse_parts2, o2, lse1):
     k, r, dv = o_parts3.shape
     if r == 0:
         return
-    block_dv = min(128, max(16, triton.next_power_of_2(dv)))
-    _combine_kernel[(r, triton.cdiv(dv, block_dv))](
+    block_dv = min(128, max(16, next_pow2(dv)))
+    _combine_kernel[(r, cdiv(dv, block_dv))](
         o_parts3, lse_parts2, o2, lse1, k,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_DV=block_dv, BLOCK_K=max(16, triton.next_power_of_2(max(k, 1))), CHUNK=8,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_K=max(16, next_pow2(k)), CHUNK=8,
         num_warps=4,
     )
 

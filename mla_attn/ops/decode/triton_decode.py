@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import cdiv, next_pow2
 from .combine import combine_splits
 
 _LOG2E = 1.4426950408889634
@@ -243,9 +244,10 @@ def choose_num_splits(batch: int, head_tiles: int, max_seq_len_hint: int, num_sm
 
 
 def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(max(int(x), 1)))
+    return max(lo, next_pow2(x))
 
 
+@functools.lru_cache(maxsize=256)
 def default_config(rows: int, d_qk: int, d_v: int, dtype: torch.dtype, *, mla: bool, device: torch.device) -> DecodeConfig:
     """Tile shapes per problem class, timed on an H200 as CUDA-graph replays (scripts/sweep_tiles.py;
     docs/benchmarks.md). fp32 tiles hold twice the bytes: they get half the keys per tile."""
@@ -313,7 +315,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     refitted = config is None and fit_key in _fitted
     if refitted:
         cfg = _fitted[fit_key]
-    head_tiles = triton.cdiv(rows, cfg.block_h)
+    head_tiles = cdiv(rows, cfg.block_h)
     if num_splits is None:
         num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
                                        block_n=_tile_keys(cfg.block_n, paged, page_size), ctas_per_sm=cfg.ctas_per_sm)
