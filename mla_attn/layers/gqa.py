@@ -135,9 +135,19 @@ class GroupedQueryAttention(nn.Module):
                 f"num_key_value_heads={self.num_kv_heads}, head_dim={self.head_dim}, impl={self.impl!r}")
 
 
-def _check_preset(name: str, given: int | None, fixed: int) -> None:
+def _check_preset(name: str, given: int | None, fixed: int, hidden_size: int, num_heads: int,
+                  head_dim: int | None) -> None:
     if given is not None and given != fixed:
         raise ValueError(f"{name} fixes num_key_value_heads={fixed}, got num_key_value_heads={given}")
+    # The presets take head_dim third. A GroupedQueryAttention-style call, MultiHeadAttention(512, 8, 8) or
+    # MultiQueryAttention(512, 8, 1), would pass the KV head count there: refuse what can only be that.
+    if head_dim is not None and head_dim == fixed and num_heads > 0 and head_dim != hidden_size // num_heads:
+        raise ValueError(
+            f"{name}(hidden_size={hidden_size}, num_attention_heads={num_heads}, head_dim={head_dim}): head_dim "
+            f"equals the preset's KV head count ({fixed}) and not hidden_size // num_attention_heads "
+            f"({hidden_size // num_heads}); the presets take head_dim third, not num_key_value_heads. If a head "
+            f"width of {head_dim} is meant, use GroupedQueryAttention({hidden_size}, {num_heads}, {fixed}, "
+            f"head_dim={head_dim})")
 
 
 class MultiHeadAttention(GroupedQueryAttention):
@@ -146,7 +156,8 @@ class MultiHeadAttention(GroupedQueryAttention):
     def __init__(self, hidden_size: int, num_attention_heads: int, head_dim: int | None = None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, attention_bias: bool = False,
                  impl: str = "auto", *, num_key_value_heads: int | None = None, **kwargs):
-        _check_preset("MultiHeadAttention", num_key_value_heads, num_attention_heads)
+        _check_preset("MultiHeadAttention", num_key_value_heads, num_attention_heads, hidden_size,
+                      num_attention_heads, head_dim)
         super().__init__(hidden_size, num_attention_heads, num_attention_heads, head_dim, rope_theta, rope_scaling,
                          attention_bias, impl, **kwargs)
 
@@ -157,6 +168,6 @@ class MultiQueryAttention(GroupedQueryAttention):
     def __init__(self, hidden_size: int, num_attention_heads: int, head_dim: int | None = None,
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, attention_bias: bool = False,
                  impl: str = "auto", *, num_key_value_heads: int | None = None, **kwargs):
-        _check_preset("MultiQueryAttention", num_key_value_heads, 1)
+        _check_preset("MultiQueryAttention", num_key_value_heads, 1, hidden_size, num_attention_heads, head_dim)
         super().__init__(hidden_size, num_attention_heads, 1, head_dim, rope_theta, rope_scaling, attention_bias,
                          impl, **kwargs)

@@ -35,6 +35,13 @@ def test_gqa_construction_errors(kwargs, match):
 
 def test_presets():
     assert MultiQueryAttention(32, 4).num_kv_heads == 1
+    assert MultiHeadAttention(32, 4, 16).head_dim == 16  # head_dim is the presets' third argument
+    # A GQA-style call (KV heads third) is refused, not read as head_dim = 4 / 1.
+    with pytest.raises(ValueError, match="head_dim third"):
+        MultiHeadAttention(32, 4, 4)
+    with pytest.raises(ValueError, match="head_dim third"):
+        MultiQueryAttention(32, 4, 1)
+    assert MultiHeadAttention(64, 8, 8).head_dim == 8  # 8 == 64 // 8: both readings agree
     assert MultiHeadAttention(32, 4, num_key_value_heads=4).num_kv_heads == 4
     with pytest.raises(ValueError, match="num_key_value_heads=1, got num_key_value_heads=2"):
         MultiQueryAttention(32, 4, num_key_value_heads=2)
