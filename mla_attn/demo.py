@@ -77,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--graph", action="store_true",
+                        help="CUDA: replay each decode step from a CUDA graph (mla_attn.layers.DecodeGraph)")
     args = parser.parse_args(argv)
     for name in ("layers", "batch", "prompt_len", "new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     from .layers import MLAConfig
+    from .layers.graph import DecodeGraph
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -118,10 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         _sync(device)
         t1 = time.perf_counter()
         steps = []
+        step = (DecodeGraph(lambda xt: run_stack(blocks, xt, caches), caches) if args.graph
+                else (lambda xt: run_stack(blocks, xt, caches)))
         for i in range(t):  # absorbed path over the paged latent cache, one token at a time
-            steps.append(run_stack(blocks, x[:, p + i: p + i + 1], caches))
+            steps.append(step(x[:, p + i: p + i + 1]))
+            if args.graph and i == 1:  # steps 1-2 ran eagerly / captured the graph: time the replays
+                _sync(device)
+                t1 = time.perf_counter()
         _sync(device)
         t2 = time.perf_counter()
+        timed = t - 2 if args.graph and t > 2 else t
         y_decode = torch.cat(steps, dim=1)
         y_full = run_stack(blocks, x)  # the training path over the whole sequence
 
@@ -150,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| check / speed | value |")
     print("|---|---:|")
     print(f"| prefill (expanded) throughput | {b * p / (t1 - t0):,.0f} tok/s |")
-    print(f"| decode (absorbed, {'paged' if page_size else 'contiguous'}) throughput | {b * t / (t2 - t1):,.1f} tok/s |")
-    print(f"| decode step latency, {args.layers} layers | {(t2 - t1) / t * 1e3:.2f} ms |")
+    how = ("paged" if page_size else "contiguous") + (", CUDA graph" if args.graph and device.type == "cuda" else "")
+    print(f"| decode (absorbed, {how}) throughput | {b * timed / (t2 - t1):,.1f} tok/s |")
+    print(f"| decode step latency, {args.layers} layers | {(t2 - t1) / timed * 1e3:.2f} ms |")
     print(f"| max abs diff, prefill vs training path | {diff_prefill:.2e} |")
     print(f"| max abs diff, absorbed decode vs expanded training path | {diff_decode:.2e} "
           f"(rel {rel(y_decode, y_full[:, p:]):.1e}) |")
