@@ -24,6 +24,9 @@ before a capture), the second captures and replays, later ones only replay. Inpu
 shape, dtype and device of the first; caches must keep their shapes (their contents, lengths and
 block tables may change: free or reset a sequence and the graph still reads the right lengths). Off
 CUDA every call runs the step eagerly, so the same loop runs on a laptop.
+
+Status: the CUDA path's tests (tests/layers/test_decode_graph.py, marked gpu) are written but have
+not yet run on a GPU (the session that wrote this ran out of device time).
 """
 
 from __future__ import annotations
