@@ -5,12 +5,28 @@ from __future__ import annotations
 import torch
 
 
-def check_x(x: torch.Tensor, hidden_size: int) -> tuple[int, int]:
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+
+
+def check_x(x: torch.Tensor, hidden_size: int, weight: torch.Tensor | None = None) -> tuple[int, int]:
+    """x must be ``[B, T, hidden_size]``, floating point, on the layer's device and (outside autocast,
+    which casts per op) in the layer's dtype; ``weight`` is any parameter of the layer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden_size:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be [B, T, hidden_size] with hidden_size={hidden_size}, got {shape}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if weight is not None:
+        if x.device != weight.device:
+            raise ValueError(f"x {tuple(x.shape)} is on {x.device} but the layer's weights are on {weight.device}; "
+                             "move one of them (layer.to(x.device))")
+        if x.dtype != weight.dtype and not _autocast_on(x.device.type):
+            raise ValueError(f"x {tuple(x.shape)} is {x.dtype} but the layer's weights are {weight.dtype}; cast one "
+                             "of them (layer.to(x.dtype)) or run under torch.autocast")
     return x.shape[0], x.shape[1]
 
 

@@ -98,7 +98,7 @@ class GroupedQueryAttention(nn.Module):
         ``positions`` int ``[B, T]``: rotary positions; default continues from the cache's fill
         (``0..T-1`` without a cache). They move RoPE only: cache slots always follow the fill.
         """
-        b, t = check_x(x, self.hidden_size)
+        b, t = check_x(x, self.hidden_size, self.q_proj.weight)
         if cache is not None:
             check_cache(cache, b, x, (KVCache, PagedKVCache), type(self).__name__)
             cache.check_room(t)  # before any work; the write re-checks

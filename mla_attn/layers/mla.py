@@ -153,7 +153,7 @@ class MultiHeadLatentAttention(nn.Module):
         ``positions`` int ``[B, T]``: rotary positions, default continuing from the cache's fill.
         ``path``: None (from the cache state), ``"expanded"`` or ``"absorbed"`` (needs a cache).
         """
-        b, t = check_x(x, self.hidden_size)
+        b, t = check_x(x, self.hidden_size, self.kv_a_proj_with_mqa.weight)
         if path is not None and path not in PATHS:
             raise ValueError(f"path must be None, 'expanded' or 'absorbed', got {path!r}")
         prefix_len = 0

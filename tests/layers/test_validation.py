@@ -107,3 +107,21 @@ def test_mla_path_errors():
     gqa_cache = _gqa().new_cache(2, 8)
     with pytest.raises(ValueError, match="cache must be one of LatentCache"):
         layer(x, cache=gqa_cache)
+
+
+@pytest.mark.parametrize("make", [_gqa, _mla], ids=["gqa", "mla"])
+def test_x_dtype_must_match_the_layer_outside_autocast(make):
+    layer = make()
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"x \(2, 3, 32\) is torch.float64 but the layer's weights are torch.float32"):
+        layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts per op: a bf16 x is fine there
+        y = layer(torch.randn(2, 3, 32).to(torch.bfloat16))
+    assert y.shape == (2, 3, 32)
+
+
+@pytest.mark.gpu  # needs a second device type
+@pytest.mark.parametrize("make", [_gqa, _mla], ids=["gqa", "mla"])
+def test_x_device_must_match_the_layer(make):
+    with pytest.raises(ValueError, match="is on cuda"):
+        make()(torch.randn(2, 3, 32, device="cuda"))
