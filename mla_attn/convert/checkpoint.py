@@ -331,7 +331,8 @@ def _validate_fp8(folder: _Folder, names: Iterable[str], block_size) -> None:
         if folder.is_fp8(full):
             if block_size is None:
                 raise CheckpointError(
-                    "float8 tensor but config.json has no quantization_config (block size unknown)",
+                    "float8 tensor but neither config.json nor a config passed in has a quantization_config "
+                    "(block size unknown)",
                     file=folder.file_of(full),
                     tensor=full,
                 )
@@ -349,11 +350,36 @@ def _validate_fp8(folder: _Folder, names: Iterable[str], block_size) -> None:
                 )
 
 
-def _block_size(folder: _Folder):
+def _quantization_source(config: Any) -> Mapping[str, Any] | None:
+    """A mapping holding ``quantization_config`` from a config passed by the caller (dict, config.json
+    path or folder, transformers config), or None when it holds none (an MLAConfig never does)."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / CONFIG_NAME if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the config passed in: {e}", file=path) from None
+    if isinstance(config, Mapping):
+        return config if "quantization_config" in config else None
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return {"quantization_config": qc if isinstance(qc, Mapping) else qc.to_dict()}
+
+
+def _block_size(folder: _Folder, config: Any = None):
+    """FP8 block size from the folder's config.json, else from the config the caller passed (a folder
+    of shards without config.json still needs ``quantization_config`` from somewhere)."""
+    source, where = folder.config, folder.root / CONFIG_NAME
+    if (source is None or "quantization_config" not in source) and config is not None:
+        passed = _quantization_source(config)
+        if passed is not None:
+            source, where = passed, "the config passed in"
     try:
-        return block_size_from_config(folder.config)
+        return block_size_from_config(source)
     except ValueError as e:
-        raise CheckpointError(str(e), file=folder.root / CONFIG_NAME) from None
+        raise CheckpointError(str(e), file=where) from None
 
 
 def _check_absorbed_fresh(layer: int, weights: dict[str, torch.Tensor], dims: AttentionDims, file) -> None:
@@ -413,7 +439,7 @@ def load_checkpoint(
     """
     folder = _Folder(path, need_config=config is None)
     dims = attention_dims(config if config is not None else folder.config)
-    block_size = _block_size(folder)
+    block_size = _block_size(folder, config)
     n_layers = _num_hidden_layers(config, folder.config)
     found = _parse_layers(folder)
     mtp = sorted(i for i in found if n_layers is not None and i >= n_layers)

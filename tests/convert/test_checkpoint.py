@@ -66,6 +66,28 @@ def test_load_skips_mtp_and_checks_layers(fp8_ckpt, caplog):
         load_checkpoint(fp8_ckpt.path, layers=[0, 2])
 
 
+def test_fp8_folder_without_config_json_takes_the_block_size_from_the_passed_config(fp8_ckpt, tmp_path):
+    """Shards without config.json: the FP8 block size comes from the config the caller passes (dict,
+    path or transformers config); a config without quantization_config is refused by name."""
+    from mla_attn.layers import MLAConfig
+
+    folder = tmp_path / "shards"
+    shutil.copytree(fp8_ckpt.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").rename(tmp_path / "elsewhere.json")
+    want = load_checkpoint(fp8_ckpt.path, layers=[1], dtype=None)
+    for passed in (config, tmp_path / "elsewhere.json"):
+        got = load_checkpoint(folder, passed, layers=[1], dtype=None)
+        for k, v in want[1].items():
+            assert torch.equal(got[1][k], v), k
+    from transformers import DeepseekV3Config
+
+    got = load_checkpoint(folder, DeepseekV3Config(**config), layers=[1], dtype=None)
+    assert torch.equal(got[1]["kv_b_proj.weight"], want[1]["kv_b_proj.weight"])
+    with pytest.raises(CheckpointError, match="nor a config passed in has a quantization_config"):
+        load_checkpoint(folder, MLAConfig.from_hf(config), layers=[1])
+
+
 def test_load_single_file_without_index(hf_lora, tmp_path):
     sd = read_all(hf_lora.path)
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
