@@ -419,7 +419,8 @@ def load_checkpoint(
             ``model.safetensors.index.json`` (DeepSeek-V2/V3, Kimi-K2, Moonlight layout:
             ``model.layers.{i}.self_attn.*``).
         config: sizes to check the shapes against (``MLAConfig``, transformers config, dict or
-            path); None reads ``path/config.json``.
+            path); None reads ``path/config.json``. When the folder has no config.json with a
+            ``quantization_config``, an FP8 checkpoint's block size is read from this one.
         layers: layer indices to read (default: all). Multi-token-prediction layers (index >=
             ``num_hidden_layers``) are skipped with a log line.
         dtype: dtype of every returned tensor; None keeps the stored dtype (FP8 -> float32).
