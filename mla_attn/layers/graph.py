@@ -15,7 +15,7 @@ graph runs none of that Python, so :class:`DecodeGraph` keeps the mirror itself:
 Example (CUDA)::
 
     step = lambda x: run_stack(blocks, x, caches)        # one new token per sequence
-    graph = DecodeGraph(step, caches)
+    graph = DecodeGraph(step)                            # the first call finds (and checks) the caches
     for t in range(new_tokens):
         y = graph(x_t)                                   # [B, 1, hidden] in, the step's output out
 
@@ -42,22 +42,29 @@ class DecodeGraph:
     """Run ``step(x)`` (one new token per sequence, writing ``caches``) from a captured CUDA graph.
 
     Args:
-        step: callable taking ``x [B, 1, ...]`` and returning a tensor; it must write every cache in
-            ``caches`` exactly once per call (one token per sequence) and nothing else that lives
-            across calls.
-        caches: the caches ``step`` writes (any of mla_attn.cache's caches).
+        step: callable taking ``x [B, 1, ...]`` and returning a tensor; it must write each cache it
+            uses exactly once per call (one token per sequence) and nothing else that lives across
+            calls.
+        caches: the caches ``step`` writes (any of mla_attn.cache's caches), or None to take them
+            from the first (eager) call, which records every cache the step commits to. Given or
+            not, the first call checks that the step commits one token to each of them exactly once
+            and to no other cache: a cache the graph wrote without the runner knowing would drift
+            from its host-side lengths and pages, which must not pass silently.
 
     Calling returns a fresh tensor (a copy of the graph's output buffer), never one the next replay
     overwrites.
     """
 
-    def __init__(self, step: Callable[[torch.Tensor], torch.Tensor], caches: Sequence[_SequenceCache]):
+    def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
+                 caches: Sequence[_SequenceCache] | None = None):
         if not callable(step):
             raise ValueError(f"step must be callable, got {type(step).__name__}")
-        caches = list(caches)
-        bad = [type(c).__name__ for c in caches if not isinstance(c, _SequenceCache)]
-        if not caches or bad:
-            raise ValueError(f"caches must be a non-empty list of mla_attn caches, got {bad or 'an empty list'}")
+        if caches is not None:
+            caches = list(caches)
+            bad = [type(c).__name__ for c in caches if not isinstance(c, _SequenceCache)]
+            if not caches or bad:
+                raise ValueError(f"caches must be None or a non-empty list of mla_attn caches, got "
+                                 f"{bad or 'an empty list'}")
         self.step = step
         self.caches = caches
         self.calls = 0
@@ -75,6 +82,41 @@ class DecodeGraph:
                              f"{tuple(self._x.shape)} {self._x.dtype} {self._x.device}, got "
                              f"{tuple(x.shape)} {x.dtype} {x.device}")
 
+    def _first_call(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the step eagerly (on CUDA on a side stream: the warm-up PyTorch asks for before a
+        capture) while recording which caches it commits to, and check them."""
+        committed: list[tuple[_SequenceCache, int]] = []
+        original = _SequenceCache._commit_host
+
+        def recording(cache, num_new):
+            committed.append((cache, num_new))
+            return original(cache, num_new)
+
+        _SequenceCache._commit_host = recording
+        try:
+            if x.is_cuda:
+                side = torch.cuda.Stream(device=x.device)
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    y = self.step(x)
+                torch.cuda.current_stream(x.device).wait_stream(side)
+            else:
+                y = self.step(x)
+        finally:
+            _SequenceCache._commit_host = original
+        found = list({id(c): c for c, _ in committed}.values())
+        counts = {id(c): [n for d, n in committed if d is c] for c in found}
+        wrong = {type(c).__name__: counts[id(c)] for c in found if counts[id(c)] != [1]}
+        if not found or wrong:
+            raise ValueError("step must commit exactly one token to each cache it writes, once per call; got "
+                             + (f"commits (tokens per call) {wrong}" if wrong else "no cache write at all"))
+        if self.caches is None:
+            self.caches = found
+        elif {id(c) for c in self.caches} != set(counts):
+            raise ValueError(f"caches must be exactly the caches step writes: given {len(self.caches)}, the step "
+                             f"wrote {len(found)} (a cache left out would drift from its host-side lengths)")
+        return y
+
     def _before_step(self) -> None:
         # What the step's own Python would do on the host: capacity, and pages for the new token.
         for c in self.caches:
@@ -90,14 +132,9 @@ class DecodeGraph:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         self.calls += 1
-        if not x.is_cuda or self.calls == 1:
-            if x.is_cuda:  # warm-up on a side stream, as PyTorch asks before a capture
-                side = torch.cuda.Stream(device=x.device)
-                side.wait_stream(torch.cuda.current_stream(x.device))
-                with torch.cuda.stream(side):
-                    y = self.step(x)
-                torch.cuda.current_stream(x.device).wait_stream(side)
-                return y
+        if self.calls == 1:
+            return self._first_call(x)
+        if not x.is_cuda:
             return self.step(x)
         self._before_step()
         if self._graph is None:

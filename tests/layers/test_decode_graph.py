@@ -39,7 +39,7 @@ def _run(kind, page_size, device, steps=30, free_at=None):
                                 shuffle_seed=3 if page_size else None).fill_(float("nan"))
         layer(x[:, :prompt], cache=cache)
         twin = copy.deepcopy(cache)  # the eager run's cache, same pages
-        graph = DecodeGraph(lambda xt: layer(xt, cache=cache), [cache])
+        graph = DecodeGraph(lambda xt: layer(xt, cache=cache), [cache] if free_at is None else None)
         eager, replayed = [], []
         for i in range(prompt, prompt + steps):
             if free_at is not None and i == free_at:  # a sequence ends; its slot starts a new one
@@ -85,3 +85,29 @@ def test_arguments_are_checked():
     graph = DecodeGraph(lambda x: layer(x, cache=cache), [cache])
     with pytest.raises(ValueError, match=r"\[B, 1, \.\.\.\]"):
         graph(torch.randn(2, 3, layer.hidden_size))
+
+
+@torch.no_grad()
+def test_first_call_finds_and_checks_the_caches():
+    """caches=None takes them from the first call; a cache left out, a cache written twice per step,
+    or a step writing none is refused (each would let the graph drift from the host-side lengths)."""
+    a, b = _gqa(), _gqa()
+    x = torch.randn(2, 1, a.hidden_size)
+
+    def fresh():
+        return a.new_cache(2, 8), b.new_cache(2, 8)
+
+    ca, cb = fresh()
+    graph = DecodeGraph(lambda xt: b(a(xt, cache=ca), cache=cb))
+    graph(x)
+    assert [id(c) for c in graph.caches] == [id(ca), id(cb)]
+    assert ca.host_seq_lens == cb.host_seq_lens == [1, 1]
+
+    ca, cb = fresh()
+    with pytest.raises(ValueError, match="exactly the caches step writes"):
+        DecodeGraph(lambda xt: b(a(xt, cache=ca), cache=cb), [ca])(x)
+    ca, _ = fresh()
+    with pytest.raises(ValueError, match=r"exactly one token.*'KVCache': \[1, 1\]"):
+        DecodeGraph(lambda xt: a(a(xt, cache=ca), cache=ca))(x)
+    with pytest.raises(ValueError, match="no cache write"):
+        DecodeGraph(lambda xt: a(xt))(x)
