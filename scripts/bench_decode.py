@@ -123,7 +123,6 @@ def bench_mla(args, gen, rows, configs=None):
                              graph_us=None if tg is None else tg * 1e6,
                              graph_gbs=None if tg is None else nbytes / tg / 1e9))
             print(_row_md(rows[-1]), flush=True)
-        del buf, pool, c, kr, pc, pkr, pool1, table1
 
 
 def bench_gqa(args, gen, rows, configs=None):
