@@ -129,7 +129,6 @@ def sweep():
                       flush=True)
             except Exception as e:
                 print(f"sweep bwd(dq) D{dqk}/{dv} {cfg}: failed {type(e).__name__}", flush=True)
-        del q, k, v, o, lse, do
         torch.cuda.empty_cache()
 
 
