@@ -35,18 +35,23 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
 
 
+def capture_graph(fn):
+    """``fn`` captured in a CUDA graph, after one warm-up call on a side stream (as PyTorch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _bench_graph(fn):
     """Median time of one replay of ``fn`` captured in a CUDA graph (no host launch cost), or None."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return _bench(graph.replay)
+        return _bench(capture_graph(fn).replay)
     except Exception as e:  # report, do not abort the table
         print(f"graph capture failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None

@@ -11,13 +11,15 @@ A config that fails to compile is printed as failed, not fatal.
 from __future__ import annotations
 
 import argparse
-import inspect
+import os
 import json
 import sys
 import time
 
 import torch
 from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode's helpers
 
 RESULTS: list[dict] = []
 
@@ -38,23 +40,17 @@ def _record(kind, shape, variant, fn, work, unit):
     RESULTS.append(dict(kind=kind, shape=shape, variant=variant, ms=ms, rate=rate, unit=unit))
 
 
-def _accepts(fn, name):
-    return name in inspect.signature(fn).parameters
-
-
 def sweep_attn(args):
     from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
     from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 
-    tma_opts = [False, True] if _accepts(flash_attn_fwd, "tma") else [None]
-    btma_opts = [False, True] if _accepts(flash_attn_bwd, "tma") else [None]
     rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128)]
     fwd_cfgs = {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)],
                 192: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)]}
-    dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 128, 8, 3, 32), (64, 64, 4, 3), (64, 64, 4, 3, 32)],
-                 192: [(64, 128, 8, 3), (64, 128, 8, 3, 32)]}
+    dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 64, 4, 3)], 192: [(64, 128, 8, 3)]}
     dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 4), (128, 128, 8, 2)],
                192: [(128, 64, 8, 3), (128, 32, 4, 3)]}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for (b, hq, hkv, n, dqk, dv) in rows:
         q = torch.randn(b, hq, n, dqk, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16)
@@ -64,43 +60,27 @@ def sweep_attn(args):
         shape = f"{b}x{hq}/{hkv}x{n} d{dqk}/{dv}"
         o, lse = flash_attn_fwd(q, k, v, True, scale)
         do = torch.randn_like(o)
-        for tma in tma_opts:
-            kw = {} if tma is None else {"tma": tma}
-            for cfg in fwd_cfgs[dqk]:
-                _record("fwd", shape, f"{cfg} tma={tma}",
-                        lambda: _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg, **kw)), flops, "TFLOP/s")
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for cfg in fwd_cfgs[dqk]:
+            _record("fwd", shape, str(cfg), lambda: _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg)),
+                    flops, "TFLOP/s")
         _record("fwd", shape, "sdpa", lambda: _ms(lambda: sdpa(q, k, v, is_causal=True, scale=scale)), flops, "TFLOP/s")
-        for tma in btma_opts:
-            kw = {} if tma is None else {"tma": tma}
-            for cfg in dkdv_cfgs[dqk]:  # whole backward, dQ at its table entry
-                _record("bwd-dkdv", shape, f"{cfg} tma={tma}",
-                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg, **kw)),
-                        2.5 * flops, "TFLOP/s")
-            for cfg in dq_cfgs[dqk]:  # whole backward, dK/dV at its table entry
-                _record("bwd-dq", shape, f"{cfg} tma={tma}",
-                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg, **kw)),
-                        2.5 * flops, "TFLOP/s")
-        if args.extra_bwd is not None:
-            args.extra_bwd(_record, _ms, shape, flops, do, q, k, v, o, lse, scale)
+        for cfg in dkdv_cfgs[dqk]:  # whole backward, dQ at its table entry
+            _record("bwd-dkdv", shape, str(cfg),
+                    lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg)),
+                    2.5 * flops, "TFLOP/s")
+        for cfg in dq_cfgs[dqk]:  # whole backward, dK/dV at its table entry
+            _record("bwd-dq", shape, str(cfg),
+                    lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg)),
+                    2.5 * flops, "TFLOP/s")
 
 
 def _graph_ms(fn):
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _ms(g.replay)
+    from bench_decode import capture_graph
+
+    return _ms(capture_graph(fn).replay)
 
 
 def sweep_mla(args):
-    sys.path.insert(0, "scripts")
     from bench_decode import _paged_from_contiguous, _varlen
 
     from mla_attn.ops.decode import triton_decode as td
@@ -156,7 +136,6 @@ def main():
     ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.extra_bwd = None
     if not torch.cuda.is_available():
         sys.exit("sweep_tiles.py needs a CUDA GPU")
     t0 = time.time()
