@@ -248,7 +248,8 @@ def test_sentinel_block_table_is_not_read():
 # ----------------------------------------------------------------------------------------------
 # Combine
 
-MERGE_CASES = [(1, (3, 5), 32, F32), (3, (2, 9), 64, F16), (7, (4,), 48, F32), (3, (2, 3, 1), 512, F32)]
+MERGE_CASES = [(1, (3, 5), 32, F32), (3, (2, 9), 64, F16), (7, (4,), 48, F32), (3, (2, 3, 1), 512, F32),
+               (13, (40,), 32, F32), (20, (3, 7), 72, F16)]
 
 
 @pytest.mark.parametrize("case", MERGE_CASES, ids=[f"K{k}-R{'x'.join(map(str, r))}-Dv{dv}-{str(dt)[6:]}"
@@ -271,6 +272,33 @@ def test_merge_attention_states(case, via_api):
     assert_close(o, ref_o, floor=dtype_floor(dtype))
     assert_lse_close(lse, ref_lse, atol=1e-5 * (1 + ref_lse[torch.isfinite(ref_lse)].abs().max().item()))
     assert torch.equal(o.reshape(-1, dv)[0].float(), torch.zeros(dv, device=DEV))
+
+
+@pytest.mark.parametrize("tiles", [(1, 16, 8, 1), (4, 32, 2, 1), (16, 128, 1, 4), (2, 64, 4, 2)],
+                         ids=lambda t: "R{}-Dv{}-chunk{}-w{}".format(*t))
+def test_merge_tile_shapes(tiles, monkeypatch):
+    """Every combine tile shape (rows per program, columns, parts per step) gives the oracle's answer,
+    with partial row/column/part tiles and dead parts holding NaN."""
+    monkeypatch.setattr(combine_mod, "_combine_tiles", lambda *a, **k: tiles)
+    k, rows, dv = 11, (3, 7), 72
+    o_parts = torch.randn((k,) + rows + (dv,), device=DEV)
+    lse_parts = torch.randn((k,) + rows, device=DEV) * 20
+    dead = torch.rand((k,) + rows, device=DEV) < 0.3
+    dead.view(k, -1)[:, 0] = True
+    lse_parts = lse_parts.masked_fill(dead, float("-inf"))
+    o_parts = o_parts.masked_fill(dead.unsqueeze(-1), float("nan"))
+    o, lse = combine_mod.merge_attention_states_triton(o_parts, lse_parts)
+    ref_o, ref_lse = merge_oracle(o_parts, lse_parts)
+    assert_close(o, ref_o, floor=dtype_floor(F32))
+    assert_lse_close(lse, ref_lse, atol=1e-5 * (1 + ref_lse[torch.isfinite(ref_lse)].abs().max().item()))
+
+
+def test_combine_tiles_choice():
+    """Few rows: fewer rows per program so the SMs have work; many parts: up to 8 per step."""
+    assert combine_mod._combine_tiles(2, 64 * 16, 512) == (8, 128, 2, 4)  # B=64 H=16, 2 splits: 512 programs
+    br, bdv, chunk, _ = combine_mod._combine_tiles(66, 128, 512)  # B=1 H=128, 66 splits
+    assert br == 1 and bdv == 128 and chunk == 8
+    assert combine_mod._combine_tiles(16, 32, 128, 0)[0] == 16  # the interpreter: always 16 rows
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,32 +25,38 @@ def _combine_kernel(
     stride_lpk, stride_lpr,
     stride_or, stride_od,
     stride_lr,
-    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # A program merges BLOCK_R rows x BLOCK_DV columns over every part: two passes over the parts'
-    # lse (max, then weights), one over their o tiles. Rows are many per program so that a small
-    # merge is a few hundred programs, not one per row (one per row cost 98 us for 33 MB on an H100).
+    # A program merges BLOCK_R rows x BLOCK_DV columns, CHUNK parts per step (independent loads): two
+    # passes over the parts' lse (max, then weights), one over their o tiles. Many rows per program
+    # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on an
+    # H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens) from a serial chain.
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
     m_r = o_r < num_rows
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
+    o_c = tl.arange(0, CHUNK)
     b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for k in range(num_parts):
-        b_lk = tl.load(LSE_PARTS + tl.cast(k, tl.int64) * stride_lpk + o_r * stride_lpr, mask=m_r, other=float("-inf"))
-        b_m = tl.maximum(b_m, b_lk)
+    for k0 in range(0, num_parts, CHUNK):
+        o_k = (k0 + o_c).to(tl.int64)  # [CHUNK]
+        b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_r[None, :] * stride_lpr,
+                       mask=(o_k < num_parts)[:, None] & m_r[None, :], other=float("-inf"))  # [CHUNK, BLOCK_R]
+        b_m = tl.maximum(b_m, tl.max(b_lc, 0))
     b_m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
     b_den = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    for k in range(num_parts):
-        k64 = tl.cast(k, tl.int64)
-        b_lk = tl.load(LSE_PARTS + k64 * stride_lpk + o_r * stride_lpr, mask=m_r, other=float("-inf"))
-        b_w = tl.exp(b_lk - b_m_safe)  # [BLOCK_R]; dead parts weigh exactly 0
-        b_den += b_w
+    for k0 in range(0, num_parts, CHUNK):
+        o_k = (k0 + o_c).to(tl.int64)
+        b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_r[None, :] * stride_lpr,
+                       mask=(o_k < num_parts)[:, None] & m_r[None, :], other=float("-inf"))
+        b_w = tl.exp(b_lc - b_m_safe[None, :])  # [CHUNK, BLOCK_R]; dead parts weigh exactly 0
+        b_den += tl.sum(b_w, 0)
         # A dead part (weight exactly 0) is never read: its o may be anything, NaN included.
         # (A NaN lse gives a NaN weight, which is read and kept: NaN in, NaN out.)
-        p_o = O_PARTS + k64 * stride_opk + o_r[:, None] * stride_opr + o_d[None, :] * stride_opd
-        b_o = tl.load(p_o, mask=(m_r & (b_w != 0.0))[:, None] & m_d[None, :], other=0.0)  # [BLOCK_R, BLOCK_DV]
-        b_acc += b_w[:, None] * b_o.to(tl.float32)
+        p_o = (O_PARTS + o_k[:, None, None] * stride_opk + o_r[None, :, None] * stride_opr
+               + o_d[None, None, :] * stride_opd)
+        b_o = tl.load(p_o, mask=(b_w != 0.0)[:, :, None] & m_d[None, None, :], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_DV]
+        b_acc += tl.sum(b_w[:, :, None] * b_o.to(tl.float32), 0)
 
     dead = b_den == 0.0
     b_out = b_acc / tl.where(dead, 1.0, b_den)[:, None]
@@ -63,18 +69,22 @@ def _combine_kernel(
 
 # Enough programs to spread a merge over every SM a few times (H200: 132 SMs).
 _TARGET_PROGRAMS = 512
+# Elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV).
+_STEP_ELEMENTS = 4096
 
 
-def _combine_tiles(rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_DV, num_warps): up to 16 rows x 128 columns per program, fewer rows when
-    there are too few rows to give every SM work (``target_programs`` 0: always 16 rows)."""
+def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS):
+    """(BLOCK_R, BLOCK_DV, CHUNK, num_warps): up to 16 rows x 128 columns per program, fewer rows when
+    too few rows would leave SMs idle (``target_programs`` 0: always 16); CHUNK parts per step fill
+    the rest of a step's _STEP_ELEMENTS, up to 8."""
     block_dv = min(128, max(16, next_pow2(dv)))
     col_tiles = cdiv(dv, block_dv)
     block_r = 16
     while block_r > 1 and cdiv(rows, block_r) * col_tiles < target_programs:
         block_r //= 2
-    warps = max(1, min(4, block_r * block_dv // 256))
-    return block_r, block_dv, warps
+    chunk = max(1, min(8, next_pow2(parts), _STEP_ELEMENTS // (block_r * block_dv)))
+    warps = max(1, min(4, chunk * block_r * block_dv // 512))
+    return block_r, block_dv, chunk, warps
 
 
 def _launch(o_parts3, lse_parts2, o2, lse1):
@@ -83,11 +93,11 @@ def _launch(o_parts3, lse_parts2, o2, lse1):
     if r == 0:
         return
     # The interpreter runs programs one by one: there, fewer and bigger is faster.
-    block_r, block_dv, warps = _combine_tiles(r, dv, _TARGET_PROGRAMS if o2.is_cuda else 0)
+    block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS if o2.is_cuda else 0)
     _combine_kernel[(cdiv(r, block_r), cdiv(dv, block_dv))](
         o_parts3, lse_parts2, o2, lse1, k, r,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv,
+        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
         num_warps=warps,
     )
 
