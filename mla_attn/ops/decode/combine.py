@@ -27,36 +27,38 @@ def _combine_kernel(
     stride_lr,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # A program merges BLOCK_R rows x BLOCK_DV columns, CHUNK parts per step (independent loads): two
-    # passes over the parts' lse (max, then weights), one over their o tiles. Many rows per program
-    # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on an
-    # H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens) from a serial chain.
+    # A program merges BLOCK_R rows x BLOCK_DV columns in one pass over the parts, CHUNK parts per
+    # step, with a running max as in the decode kernel's online softmax: each step's lse and o loads
+    # are independent, so a merge of <= CHUNK parts is one memory round trip. Many rows per program
+    # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on
+    # an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens) from a serial chain.
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
     m_r = o_r < num_rows
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
     o_c = tl.arange(0, CHUNK)
-    b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    for k0 in range(0, num_parts, CHUNK):
-        o_k = (k0 + o_c).to(tl.int64)  # [CHUNK]
-        b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_r[None, :] * stride_lpr,
-                       mask=(o_k < num_parts)[:, None] & m_r[None, :], other=float("-inf"))  # [CHUNK, BLOCK_R]
-        b_m = tl.maximum(b_m, tl.max(b_lc, 0))
-    b_m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # running max of the parts' lse
     b_den = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
     for k0 in range(0, num_parts, CHUNK):
-        o_k = (k0 + o_c).to(tl.int64)
+        o_k = (k0 + o_c).to(tl.int64)  # [CHUNK]
+        m_kr = (o_k < num_parts)[:, None] & m_r[None, :]
         b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_r[None, :] * stride_lpr,
-                       mask=(o_k < num_parts)[:, None] & m_r[None, :], other=float("-inf"))
-        b_w = tl.exp(b_lc - b_m_safe[None, :])  # [CHUNK, BLOCK_R]; dead parts weigh exactly 0
-        b_den += tl.sum(b_w, 0)
-        # A dead part (weight exactly 0) is never read: its o may be anything, NaN included.
-        # (A NaN lse gives a NaN weight, which is read and kept: NaN in, NaN out.)
+                       mask=m_kr, other=float("-inf"))  # [CHUNK, BLOCK_R]
         p_o = (O_PARTS + o_k[:, None, None] * stride_opk + o_r[None, :, None] * stride_opr
                + o_d[None, None, :] * stride_opd)
-        b_o = tl.load(p_o, mask=(b_w != 0.0)[:, :, None] & m_d[None, None, :], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_DV]
-        b_acc += tl.sum(b_w[:, :, None] * b_o.to(tl.float32), 0)
+        b_o = tl.load(p_o, mask=m_kr[:, :, None] & m_d[None, None, :], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_DV]
+        b_m_new = tl.maximum(b_m, tl.max(b_lc, 0))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no live part yet: weights stay 0
+        b_alpha = tl.exp(b_m - b_m_safe)
+        b_w = tl.exp(b_lc - b_m_safe[None, :])  # [CHUNK, BLOCK_R]; dead parts weigh exactly 0
+        b_den = b_den * b_alpha + tl.sum(b_w, 0)
+        # A dead part's o (weight exactly 0) never enters the sum, whatever it holds (NaN included):
+        # where(), not a product. (A NaN lse gives a NaN weight, which is kept: NaN in, NaN out.)
+        b_wo = tl.where((b_w != 0.0)[:, :, None], b_w[:, :, None] * b_o.to(tl.float32), 0.0)
+        b_acc = b_acc * b_alpha[:, None] + tl.sum(b_wo, 0)
+        b_m = b_m_new
+    b_m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
 
     dead = b_den == 0.0
     b_out = b_acc / tl.where(dead, 1.0, b_den)[:, None]
