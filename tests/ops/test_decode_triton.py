@@ -294,10 +294,10 @@ def test_merge_tile_shapes(tiles, monkeypatch):
 
 
 def test_combine_tiles_choice():
-    """Few rows: fewer rows per program so the SMs have work; many parts: up to 8 per step."""
+    """Few rows: fewer rows per program so the SMs have work; many parts: up to 16 per step."""
     assert combine_mod._combine_tiles(2, 64 * 16, 512) == (8, 128, 2, 4)  # B=64 H=16, 2 splits: 512 programs
     br, bdv, chunk, _ = combine_mod._combine_tiles(66, 128, 512)  # B=1 H=128, 66 splits
-    assert br == 1 and bdv == 128 and chunk == 8
+    assert br == 1 and bdv == 128 and chunk == 16
     assert combine_mod._combine_tiles(16, 32, 128, 0)[0] == 16  # the interpreter: always 16 rows
 
 

@@ -78,13 +78,13 @@ _STEP_ELEMENTS = 4096
 def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS):
     """(BLOCK_R, BLOCK_DV, CHUNK, num_warps): up to 16 rows x 128 columns per program, fewer rows when
     too few rows would leave SMs idle (``target_programs`` 0: always 16); CHUNK parts per step fill
-    the rest of a step's _STEP_ELEMENTS, up to 8."""
+    the rest of a step's _STEP_ELEMENTS, up to 16."""
     block_dv = min(128, max(16, next_pow2(dv)))
     col_tiles = cdiv(dv, block_dv)
     block_r = 16
     while block_r > 1 and cdiv(rows, block_r) * col_tiles < target_programs:
         block_r //= 2
-    chunk = max(1, min(8, next_pow2(parts), _STEP_ELEMENTS // (block_r * block_dv)))
+    chunk = max(1, min(16, next_pow2(parts), _STEP_ELEMENTS // (block_r * block_dv)))
     warps = max(1, min(4, chunk * block_r * block_dv // 512))
     return block_r, block_dv, chunk, warps
 
