@@ -26,8 +26,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # the kernels write these as literals: Triton's JIT reads only tl.constexpr globals
-# The running max moves only when a row's max grew by more than this (log2 units: a factor 256).
-LAZY_RESCALE = tl.constexpr(8.0)
 
 
 def _interpreting() -> bool:
@@ -140,18 +138,11 @@ def _fwd_inner(
             b_s = tl.where(visible, b_s, float("-inf"))
         # Online softmax in log2 units (qk_scale = scale * log2(e), applied in one FMA with the max).
         # m_i starts at a finite -1e30, so a fully hidden block gives p = 0, not NaN.
-        # Lazy rescaling: the running max m_i (and with it acc and l_i) moves only when some row's
-        # max grew by more than LAZY_RESCALE (log2 units) since it last moved; otherwise p uses the
-        # stale max and is at most 2**LAZY_RESCALE, which fp32 acc / l_i and a bf16 p hold exactly as
-        # well (README.md here). One uniform branch per block instead of a multiply of acc per block.
         m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)  # [BLOCK_M]
-        if tl.max(m_new - m_i, 0) > LAZY_RESCALE:
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        b_p = tl.math.exp2(b_s * qk_scale - m_i[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i + tl.sum(b_p, 1)
+        b_p = tl.math.exp2(b_s * qk_scale - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None]
         if MASKED:
             b_v = tl.load(v_ptrs + off_vn,
                           mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
@@ -160,6 +151,7 @@ def _fwd_inner(
         else:
             b_v = tl.load(v_ptrs + off_vn)
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 

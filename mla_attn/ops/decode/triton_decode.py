@@ -27,7 +27,6 @@ from .._common import cdiv, next_pow2
 from .combine import combine_splits
 
 _LOG2E = 1.4426950408889634
-LAZY_RESCALE = tl.constexpr(8.0)  # log2 units: see the kernel's softmax step
 _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
 
 
@@ -160,19 +159,12 @@ def _decode_kernel(
             m_vis = m_n[None, :] & (o_n[None, :] < row_limit[:, None])
         b_s = tl.where(m_vis, b_s, float("-inf"))
 
-        # Lazy rescaling (as in the flash forward): the running max, acc and l move only when some
-        # row's max grew by more than LAZY_RESCALE (log2) or left -inf; p under a stale max is at
-        # most 2**LAZY_RESCALE. A row's first visible key always moves it (growth from -inf is inf).
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_grow = tl.where(b_m_new > b_m, b_m_new - b_m, 0.0)
-        if tl.max(b_grow, 0) > LAZY_RESCALE:
-            b_alpha = tl.exp2(b_m - tl.where(b_m_new == float("-inf"), 0.0, b_m_new))
-            b_l = b_l * b_alpha
-            b_acc = b_acc * b_alpha[:, None]
-            b_m = b_m_new
-        b_m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)  # a row with nothing visible yet
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # a row with nothing visible yet
+        b_alpha = tl.exp2(b_m - b_m_safe)
         b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where masked
-        b_l = b_l + tl.sum(b_p, 1)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
         if V_IS_K1:
             b_v = b_k1
         else:
@@ -181,6 +173,7 @@ def _decode_kernel(
             b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+        b_m = b_m_new
 
     # Rows with no visible key have l = 0 and acc = 0 exactly: o = 0, lse = -inf. The test is
     # "l == 0", not "l > 0", so that a NaN read from the cache stays NaN instead of passing as empty.
