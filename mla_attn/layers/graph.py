@@ -25,8 +25,8 @@ shape, dtype and device of the first; caches must keep their shapes (their conte
 block tables may change: free or reset a sequence and the graph still reads the right lengths). Off
 CUDA every call runs the step eagerly, so the same loop runs on a laptop.
 
-Status: the CUDA path's tests (tests/layers/test_decode_graph.py, marked gpu) are written but have
-not yet run on a GPU (the session that wrote this ran out of device time).
+Tested on CUDA (H200, H100) by tests/layers/test_decode_graph.py (marked gpu): replay == eager over
+30 steps, GQA and MLA, paged and contiguous, with a sequence freed mid-way.
 """
 
 from __future__ import annotations
