@@ -226,38 +226,6 @@ def test_mla_decode(case):
     _check(o, lse, ref_o, ref_lse, base, dtype)
 
 
-def test_fused_merge_replaces_combine(monkeypatch):
-    """Small merges (MLA H <= 16, GQA) are done by the last split in the decode kernel: no combine
-    launch; tickets are reset, so calls with other split counts on the same counters stay right."""
-    def no_combine(*a, **k):
-        raise AssertionError("combine launched for a merge the decode kernel should have fused")
-
-    monkeypatch.setattr(td, "combine_splits", no_combine)
-    ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 16, 64, 16, 1, [0, 17, 100], 4, F32)
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
-    base = _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125)
-    for splits in (3, 2, 5, 16, 2):
-        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, splits)
-        _check(o, lse, ref_o, ref_lse, base, F32)
-    assert int(td._ticket_counters(ql.device)[:8].abs().sum()) == 0  # every ticket back to 0
-
-
-def test_big_merge_goes_to_combine(monkeypatch):
-    """More than FUSE_MAX_SPLITS parts, or rows x Dv past FUSE_MAX_TILE: the separate combine merges."""
-    calls = []
-    real = td.combine_splits
-    monkeypatch.setattr(td, "combine_splits", lambda *a: (calls.append(1), real(*a)))
-    ql, qr, c, kr, seq_lens, table = _mla_inputs(1, 4, 64, 16, 1, [600], None, F32)
-    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, td.FUSE_MAX_SPLITS + 1)
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125)
-    _check(o, lse, ref_o, ref_lse, None, F32)
-    assert calls == [1]
-    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, 2,
-                           config=td.DecodeConfig(64, 32, 4, 1))  # 64 rows x 64 = 4096: fused
-    _check(o, lse, ref_o, ref_lse, None, F32)
-    assert calls == [1]
-
-
 def test_api_3d_query_matches_4d():
     """decode_attention with q [B, Hq, D] is the S = 1 case of [B, Hq, 1, D]."""
     q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [5, 0, 40], 4, F32)
@@ -420,28 +388,6 @@ def test_heuristic_splits_match_single_split_gpu():
     _check(o_h, lse_h, ref_o, ref_lse, o_1, BF16)  # the split result is as close as the unsplit one (2x)
     assert_close(o_h, o_1.double(), floor=dtype_floor(BF16))
     assert (lse_h - lse_1).abs().max().item() <= 1e-3
-
-
-@pytest.mark.gpu
-def test_fused_merge_two_streams_gpu():
-    """Split decodes with fused merges running at the same time on two streams (each stream has its
-    own tickets) and back to back on one: every result as close to the oracle as PyTorch's bf16."""
-    cases = []
-    for seed, lens in ((1, [3000, 17, 2048]), (2, [1, 4000, 900])):
-        ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 16, 512, 64, 1, lens, 64, BF16, seed=seed)
-        ref = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
-        cases.append(((ql, qr, c, kr, seq_lens, table), ref, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1)))
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    outs = [[], []]
-    torch.cuda.synchronize()
-    for _ in range(20):
-        for i, st in enumerate(streams):
-            with torch.cuda.stream(st):
-                outs[i].append(td.mla_decode(*cases[i][0], 0.1, 4))
-    torch.cuda.synchronize()
-    for i in range(2):
-        for o, lse in outs[i]:
-            _check(o, lse, *cases[i][1], cases[i][2], BF16)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN
 
 @triton.jit
 def _decode_kernel(
-    Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE, OF, LSEF, COUNTERS,
+    Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
     qk_scale,  # scale * log2(e): scores are kept in base 2
     num_kv_heads, num_splits,
     GROUP, NUM_HEAD_TILES,  # query heads per KV head; row tiles per KV head (runtime: fewer recompiles)
@@ -44,8 +44,6 @@ def _decode_kernel(
     stride_btb, stride_btp,
     stride_op, stride_ob, stride_oh, stride_os, stride_od,  # p: split
     stride_lp, stride_lb, stride_lh, stride_ls,
-    stride_fb, stride_fh, stride_fs, stride_fd,  # OF / LSEF: the final outputs (FUSED_MERGE)
-    stride_lfb, stride_lfh, stride_lfs,
     S: tl.constexpr,  # new tokens per sequence
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -55,7 +53,6 @@ def _decode_kernel(
     HAS_K2: tl.constexpr,  # second score block (MLA rope)
     V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
-    FUSED_MERGE: tl.constexpr,  # the last split of each row tile to finish merges them (no combine launch)
 ):
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent
     pid_split = tl.program_id(1)
@@ -191,43 +188,6 @@ def _decode_kernel(
     p_lse = LSE + split64 * stride_lp + i_b64 * stride_lb + o_qh * stride_lh + o_s * stride_ls
     tl.store(p_lse, b_lse, mask=m_r)
 
-    if FUSED_MERGE:
-        # Split-K style ticket: every split of this row tile takes a ticket after its partial is
-        # stored (barrier: all warps' stores issued; acq_rel: they are visible before the ticket,
-        # and the last taker sees everyone's). The last one merges all partials (README.md here:
-        # "Split-KV combine") into the final o / lse and resets the counter to 0 for the next call.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTERS + pid_row, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_splits - 1:
-            tl.atomic_xchg(COUNTERS + pid_row, 0, sem="relaxed", scope="gpu")
-            b_mm = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max of the parts' lse
-            b_den = tl.zeros([BLOCK_H], dtype=tl.float32)
-            b_sum = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-            p_o0 = O + i_b64 * stride_ob + o_qh[:, None] * stride_oh + o_s[:, None] * stride_os + o_dv[None, :] * stride_od
-            p_l0 = LSE + i_b64 * stride_lb + o_qh * stride_lh + o_s * stride_ls
-            for k in range(num_splits):
-                k64 = tl.cast(k, tl.int64)
-                # .cg: straight from L2 (where the other programs' stores are), never a stale L1 line.
-                b_lk = tl.load(p_l0 + k64 * stride_lp, mask=m_r, other=float("-inf"), cache_modifier=".cg")
-                b_ok = tl.load(p_o0 + k64 * stride_op, mask=m_r[:, None] & m_dv[None, :], other=0.0,
-                               cache_modifier=".cg")
-                b_mm_new = tl.maximum(b_mm, b_lk)
-                b_ms = tl.where(b_mm_new == float("-inf"), 0.0, b_mm_new)
-                b_alpha = tl.exp(b_mm - b_ms)
-                b_w = tl.exp(b_lk - b_ms)  # a dead part (lse -inf) weighs exactly 0 ...
-                b_den = b_den * b_alpha + b_w
-                # ... and its o (whatever it holds) is dropped, not multiplied: NaN never enters.
-                b_sum = b_sum * b_alpha[:, None] + tl.where((b_w != 0.0)[:, None], b_w[:, None] * b_ok, 0.0)
-                b_mm = b_mm_new
-            dead_all = b_den == 0.0
-            b_fo = b_sum / tl.where(dead_all, 1.0, b_den)[:, None]
-            b_flse = tl.where(dead_all, float("-inf"),
-                              tl.where(b_mm == float("-inf"), 0.0, b_mm) + tl.log(tl.where(dead_all, 1.0, b_den)))
-            p_fo = (OF + i_b64 * stride_fb + o_qh[:, None] * stride_fh + o_s[:, None] * stride_fs
-                    + o_dv[None, :] * stride_fd)
-            tl.store(p_fo, b_fo.to(OF.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
-            tl.store(LSEF + i_b64 * stride_lfb + o_qh * stride_lfh + o_s * stride_lfs, b_flse, mask=m_r)
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -338,29 +298,6 @@ def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
     return block_n
 
 
-# Fused merge (the last split of a row tile merges; no combine launch): used when a program's merge is
-# small: at most FUSE_MAX_SPLITS parts of at most FUSE_MAX_TILE (rows x padded Dv) values. Larger
-# merges (MLA at H = 128: 64 rows x 512 per part, dozens of parts at batch 1) go to combine.py,
-# which spreads them over every SM.
-FUSE_MAX_SPLITS = 16
-FUSE_MAX_TILE = 16 * 512
-_COUNTER_SLOTS = 1 << 16
-_counters: dict = {}
-
-
-def _ticket_counters(device: torch.device) -> torch.Tensor:
-    """The fused merge's per-row-tile tickets (int32, all 0 between calls: the last taker resets its
-    own), one buffer per (device, stream), kept for the life of the process: a CUDA graph that
-    captured a decode step keeps pointing at it. Per stream, so decode steps running at the same
-    time on two streams never share a ticket."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _counters.get(key)
-    if buf is None:
-        buf = _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
             d_v, scale, num_splits, capacity, mla, config):
     b, h, s, d1 = q1.shape
@@ -386,10 +323,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     lse = _alloc((b, h, s), dtype=torch.float32, device=device)
     if o.numel() == 0 or lse.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    rows_total = b * num_kv_heads * head_tiles
-    fused = (1 < num_splits <= FUSE_MAX_SPLITS and cfg.block_h * _pow2(d_v) <= FUSE_MAX_TILE
-             and rows_total <= _COUNTER_SLOTS)
-    counters = _ticket_counters(device) if fused else seq_lens  # a dummy pointer when not fused
     if num_splits == 1:
         o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
     else:  # one buffer for both partials: one allocation fewer on the host path
@@ -409,13 +342,12 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     def run(c: DecodeConfig):
         block_n = _tile_keys(c.block_n, paged, page_size)
         _decode_kernel[grid](
-            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, counters,
+            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
             scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles,
             *q1.stride(), *q2_strides,
             *k1_strides, *k2_strides, *v_strides,
             *bt_strides,
             *o_part.stride(), *lse_part.stride(),
-            *o.stride(), *lse.stride(),
             S=s,
             D1=d1, D2=max(d2, 1), DV=d_v,
             BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
@@ -423,7 +355,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
             HAS_K2=q2 is not None, V_IS_K1=v is None,
             IEEE=q1.dtype == torch.float32,
-            FUSED_MERGE=fused,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -442,7 +373,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             break
         else:
             raise RuntimeError(f"decode: no tile configuration fits this GPU, starting from {cfg}")
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         combine_splits(o_part, lse_part, o, lse)
     return o, lse
 
