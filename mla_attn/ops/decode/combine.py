@@ -8,6 +8,8 @@ the row gets o = 0 and lse = -inf. Derivation in README.md here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,8 @@ def _combine_kernel(
     # step, with a running max as in the decode kernel's online softmax: each step's lse and o loads
     # are independent, so a merge of <= CHUNK parts is one memory round trip. Many rows per program
     # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on
-    # an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens) from a serial chain.
+    # the H200 and on an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens)
+    # from a serial chain.
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
     m_r = o_r < num_rows
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -75,6 +78,7 @@ _TARGET_PROGRAMS = 512
 _STEP_ELEMENTS = 4096
 
 
+@functools.lru_cache(maxsize=256)  # on every split decode call's host path
 def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS):
     """(BLOCK_R, BLOCK_DV, CHUNK, num_warps): up to 16 rows x 128 columns per program, fewer rows when
     too few rows would leave SMs idle (``target_programs`` 0: always 16); CHUNK parts per step fill
