@@ -226,6 +226,22 @@ def test_mla_decode(case):
     _check(o, lse, ref_o, ref_lse, base, dtype)
 
 
+@pytest.mark.parametrize("unchain", [True, False])
+def test_unchained_dots_same_answer(unchain):
+    """The UNCHAIN variant (independent score dots, an always-taken branch around P @ V; the default for
+    8-warp tiles on the GPU) against the oracle, pinned on in the interpreter's 4-warp tiles."""
+    cfg = td.DecodeConfig(16, 32, 4, 1, unchain=unchain)
+    for dtype in (F32, F16):
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 9, 64, 16, 2, [0, 17, 100], 16, dtype, 1.0)
+        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, 2, config=cfg)
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125), dtype)
+    q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [1, 64, 100], None, F32, 1.0, False)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, 3, config=cfg)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 0.125), F32)
+
+
 def test_api_3d_query_matches_4d():
     """decode_attention with q [B, Hq, D] is the S = 1 case of [B, Hq, 1, D]."""
     q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [5, 0, 40], 4, F32)
@@ -365,6 +381,18 @@ def test_mla_decode_bf16_gpu(h):
                                        impl="triton")
         ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=scale, block_table=table)
         _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, scale), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unchain", [True, False])
+@pytest.mark.parametrize("block_n,stages", [(32, 2), (32, 3), (64, 1)])
+def test_mla_decode_h128_tiles_gpu(unchain, block_n, stages):
+    """The H = 128 tile candidates (8 warps, both UNCHAIN settings) at bf16, split and paged."""
+    cfg = td.DecodeConfig(64, block_n, 8, stages, unchain=unchain)
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 128, 512, 64, 1, [3000, 0, 777], 64, BF16, seed=5)
+    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 192 ** -0.5, 3, config=cfg)
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=192 ** -0.5, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 192 ** -0.5), BF16)
 
 
 @pytest.mark.gpu

@@ -53,6 +53,7 @@ def _decode_kernel(
     HAS_K2: tl.constexpr,  # second score block (MLA rope)
     V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+    UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
 ):
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent
     pid_split = tl.program_id(1)
@@ -148,11 +149,17 @@ def _decode_kernel(
             b_s = tl.dot(b_q1, tl.trans(b_k1))
         if HAS_K2:
             b_k2 = tl.load(p_k2, mask=m_n[:, None] & m_d2[None, :], other=0.0)  # [BLOCK_N, BLOCK_D2]
-            if IEEE:
+            if UNCHAIN:  # two independent dots (no accumulator chaining, no dot+add fusion): see below
+                if IEEE:
+                    b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2), input_precision="ieee") * qk_scale
+                else:
+                    b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2)) * qk_scale
+            elif IEEE:
                 b_s = tl.dot(b_q2, tl.trans(b_k2), b_s, input_precision="ieee")
             else:
                 b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-        b_s = b_s * qk_scale
+        if not (HAS_K2 and UNCHAIN):
+            b_s = b_s * qk_scale
         if S == 1:
             m_vis = m_n[None, :]
         else:
@@ -164,15 +171,28 @@ def _decode_kernel(
         b_alpha = tl.exp2(b_m - b_m_safe)
         b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where masked
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None]
         if V_IS_K1:
             b_v = b_k1
         else:
             b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        if IEEE:
-            b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision="ieee")
+        if UNCHAIN:
+            # With 8 warps Triton lays a dot out over warps by looking forward for a chained dot: the
+            # score dot feeding P @ V would get all 8 warps along the rows, so both warpgroups would
+            # compute the same 64-row score tile. A branch that is always taken (seq_len >= 0) ends
+            # that look-ahead at its yield: the score dots split their columns over the warpgroups
+            # like P @ V does, and P goes through shared memory to P @ V's operand layout.
+            if seq_len >= 0:
+                b_pv = b_p.to(b_v.dtype)
+                b_acc = b_acc * b_alpha[:, None]
+            else:
+                b_pv = tl.zeros([BLOCK_H, BLOCK_N], dtype=b_v.dtype)
         else:
-            b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+            b_pv = b_p.to(b_v.dtype)
+            b_acc = b_acc * b_alpha[:, None]
+        if IEEE:
+            b_acc = tl.dot(b_pv, b_v, b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_pv, b_v, b_acc)
         b_m = b_m_new
 
     # Rows with no visible key have l = 0 and acc = 0 exactly: o = 0, lse = -inf. The test is
@@ -198,6 +218,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int = 1  # how many programs one SM is expected to hold (for the split heuristic)
+    unchain: bool | None = None  # UNCHAIN in the kernel; None: when the rows span two warpgroups (8 warps)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -287,7 +308,7 @@ def _smaller(cfg: DecodeConfig):
             stages -= 1
         else:
             block_n //= 2
-        yield DecodeConfig(cfg.block_h, block_n, cfg.num_warps, stages, cfg.ctas_per_sm)
+        yield DecodeConfig(cfg.block_h, block_n, cfg.num_warps, stages, cfg.ctas_per_sm, cfg.unchain)
 
 
 def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
@@ -355,6 +376,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
             HAS_K2=q2 is not None, V_IS_K1=v is None,
             IEEE=q1.dtype == torch.float32,
+            UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
