@@ -41,16 +41,16 @@ def _record(kind, shape, variant, fn, work, unit):
 
 
 def sweep_attn(args):
-    from mla_attn.ops.attention import triton_bwd, triton_fwd
     from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
     from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 
-    rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128), (8, 32, 8, 2048, 128, 128)]
-    # "regs": the loop-invariant MMA operand (q; k and v in dK/dV; q and dO in dQ) fed from registers.
-    fwd_cfgs = {128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2)],
-                192: [(128, 64, 8, 3), (128, 64, 8, 2)]}
-    dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 128, 8, 2), (128, 64, 8, 3)], 192: [(64, 128, 8, 3), (64, 128, 8, 2)]}
-    dq_cfgs = {128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)], 192: [(128, 64, 8, 3), (128, 64, 8, 2)]}
+    rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128)]
+    # (64, 64, 4, s): one warpgroup per program, two programs per SM (176-202 registers, 80-144 KB).
+    fwd_cfgs = {128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)],
+                192: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3)]}
+    dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 64, 4, 3)], 192: [(64, 128, 8, 3)]}
+    dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 4), (128, 128, 8, 2)],
+               192: [(128, 64, 8, 3), (128, 32, 4, 3)]}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for (b, hq, hkv, n, dqk, dv) in rows:
         q = torch.randn(b, hq, n, dqk, device="cuda", dtype=torch.bfloat16)
@@ -61,28 +61,18 @@ def sweep_attn(args):
         shape = f"{b}x{hq}/{hkv}x{n} d{dqk}/{dv}"
         o, lse = flash_attn_fwd(q, k, v, True, scale)
         do = torch.randn_like(o)
-        for regs in (False, True):
-            triton_fwd.A_IN_REGS = regs
-            for cfg in fwd_cfgs[dqk]:
-                _record("fwd", shape, f"{cfg} regs={regs}",
-                        lambda: _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg)), flops, "TFLOP/s")
-        triton_fwd.A_IN_REGS = False
-        enable_gqa = {"enable_gqa": True} if hq != hkv else {}
-        _record("fwd", shape, "sdpa", lambda: _ms(lambda: sdpa(q, k, v, is_causal=True, scale=scale, **enable_gqa)),
-                flops, "TFLOP/s")
-        for regs in (False, True):  # whole backward; the other pass at its table entry, registers off
-            triton_bwd.DKDV_A_IN_REGS = regs
-            for cfg in dkdv_cfgs[dqk]:
-                _record("bwd-dkdv", shape, f"{cfg} regs={regs}",
-                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg)),
-                        2.5 * flops, "TFLOP/s")
-            triton_bwd.DKDV_A_IN_REGS = False
-            triton_bwd.DQ_A_IN_REGS = regs
-            for cfg in dq_cfgs[dqk]:
-                _record("bwd-dq", shape, f"{cfg} regs={regs}",
-                        lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg)),
-                        2.5 * flops, "TFLOP/s")
-            triton_bwd.DQ_A_IN_REGS = False
+        for cfg in fwd_cfgs[dqk]:
+            _record("fwd", shape, str(cfg), lambda: _ms(lambda: flash_attn_fwd(q, k, v, True, scale, config=cfg)),
+                    flops, "TFLOP/s")
+        _record("fwd", shape, "sdpa", lambda: _ms(lambda: sdpa(q, k, v, is_causal=True, scale=scale)), flops, "TFLOP/s")
+        for cfg in dkdv_cfgs[dqk]:  # whole backward, dQ at its table entry
+            _record("bwd-dkdv", shape, str(cfg),
+                    lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dkdv_config=cfg)),
+                    2.5 * flops, "TFLOP/s")
+        for cfg in dq_cfgs[dqk]:  # whole backward, dK/dV at its table entry
+            _record("bwd-dq", shape, str(cfg),
+                    lambda: _ms(lambda: flash_attn_bwd(do, q, k, v, o, lse, True, scale, dq_config=cfg)),
+                    2.5 * flops, "TFLOP/s")
 
 
 def _graph_ms(fn):

@@ -24,12 +24,6 @@ from . import triton_fwd
 from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim
 
 
-# Feed each pass's loop-invariant MMA operands (dK/dV: k, v; dQ: q, dO) from registers instead of
-# shared memory (see triton_fwd.A_IN_REGS); scripts/sweep_tiles.py flips these.
-DKDV_A_IN_REGS = False
-DQ_A_IN_REGS = False
-
-
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
 # (triton 3.6, bf16, see README.md). The dK/dV pass owns BLOCK_N keys; the dQ pass owns BLOCK_M rows.
 def _dkdv_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, int, int]:
@@ -138,7 +132,6 @@ def _bwd_dkdv_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    A_IN_REGS: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -173,11 +166,6 @@ def _bwd_dkdv_kernel(
         k1 = k0
     v = tl.load(V + o_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-    if A_IN_REGS:  # no-op selects (masked rows are 0 already): k and v feed the MMA from registers
-        k0 = tl.where(m_n[:, None], k0, 0.0)
-        if BLOCK_DQK1 > 0:
-            k1 = tl.where(m_n[:, None], k1, 0.0)
-        v = tl.where(m_n[:, None], v, 0.0)
     dk0 = tl.zeros([BLOCK_N, BLOCK_DQK0], dtype=tl.float32)
     dk1 = tl.zeros([BLOCK_N, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -277,7 +265,6 @@ def _bwd_dq_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    A_IN_REGS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -315,11 +302,6 @@ def _bwd_dq_kernel(
         q1 = q0
     b_do = tl.load(DO + o_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                    mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
-    if A_IN_REGS:  # no-op selects (masked rows are 0 already): q and dO feed the MMA from registers
-        q0 = tl.where(m_m[:, None], q0, 0.0)
-        if BLOCK_DQK1 > 0:
-            q1 = tl.where(m_m[:, None], q1, 0.0)
-        b_do = tl.where(m_m[:, None], b_do, 0.0)
     b_lse2 = _load_lse2(LSE + row, offs_m, M)
     b_delta = tl.load(DELTA + row + offs_m, mask=m_m, other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DQK0], dtype=tl.float32)
@@ -412,7 +394,6 @@ def flash_attn_bwd(
             GROUP=group, D_QK=Dqk, D_V=Dv,
             BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
             CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
-            A_IN_REGS=DKDV_A_IN_REGS,
             num_warps=warps, num_stages=stages,
         )
 
@@ -426,7 +407,6 @@ def flash_attn_bwd(
             GROUP=group, D_QK=Dqk, D_V=Dv,
             BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
             CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
-            A_IN_REGS=DQ_A_IN_REGS,
             num_warps=warps, num_stages=stages,
         )
 

@@ -63,7 +63,6 @@ except ImportError:  # pragma: no cover - very old triton
 # registers (fp32 inputs, head widths nobody measured): (BLOCK_M, BLOCK_N, num_warps, num_stages).
 FALLBACK_CONFIGS = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1))
 _chosen: dict = {}
-A_IN_REGS = False  # feed the loop-invariant MMA operand (q) from registers; scripts/sweep_tiles.py flips it
 
 
 def launch_with_fallback(launch, key, first: tuple[int, int, int, int], pinned: bool = False):
@@ -168,7 +167,6 @@ def _flash_fwd_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    A_IN_REGS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -213,13 +211,6 @@ def _flash_fwd_kernel(
                      mask=m_m[:, None] & (offs_dq1[None, :] < D_QK), other=0.0)
     else:
         q1 = q0
-    if A_IN_REGS:
-        # An op between the load and the dot (a no-op here: masked rows are already 0) makes Triton
-        # feed q to the Hopper MMA from registers instead of shared memory, which halves the
-        # shared-memory reads of the QK^T products (see README.md).
-        q0 = tl.where(m_m[:, None], q0, 0.0)
-        if BLOCK_DQK1 > 0:
-            q1 = tl.where(m_m[:, None], q1, 0.0)
     # Key tiles are read transposed: [BLOCK_DQK, BLOCK_N].
     k_ptrs0 = K + offs_n[None, :] * stride_kn + offs_dq0[:, None] * stride_kd
     k_ptrs1 = K + offs_n[None, :] * stride_kn + offs_dq1[:, None] * stride_kd
@@ -302,7 +293,6 @@ def flash_attn_fwd(
             GROUP=Hq // Hkv, D_QK=Dqk, D_V=Dv,
             BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
             CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
-            A_IN_REGS=A_IN_REGS,
             num_warps=warps, num_stages=stages,
         )
 
