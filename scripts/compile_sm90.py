@@ -1,0 +1,122 @@
+"""Compile a kernel for Hopper (sm_90a) on a machine without a GPU and report what the GPU would get.
+
+Reads shared memory, registers, spills and ptxas's wgmma warnings, and writes the TTGIR and PTX, so
+that a tile or code change can be judged before spending device time. For the H200's numbers, run it
+with the Triton the GPU image has (3.6), e.g. from a side virtual environment:
+
+    python3 -m venv /tmp/v36 && /tmp/v36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
+    PYTHONPATH=. /tmp/v36/bin/python scripts/compile_sm90.py decode 64,32,8,4 --unchain --paged
+    PYTHONPATH=. /tmp/v36/bin/python scripts/compile_sm90.py fwd 128,64,8,3 --dqk 192 --dv 128
+
+Tiles are ``BLOCK_H,BLOCK_N,num_warps,num_stages`` (decode: absorbed MLA, Dc 512 + Dr 64, bf16, one new
+token) or ``BLOCK_M,BLOCK_N,num_warps,num_stages`` (fwd: causal flash forward, bf16).
+
+The launch-time specialisations matter: pointers, strides and lengths get ``tt.divisibility = 16`` and
+unit strides are the constant 1, as Triton gives them at a real launch. Without those the pipeliner
+emits no ``cp.async`` and the shared-memory and register numbers describe a different kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import inspect
+import os
+import re
+import subprocess
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+UNIT_STRIDES = ("stride_q1d", "stride_q2d", "stride_k1d", "stride_k2d", "stride_vd", "stride_od", "stride_ls",
+                "stride_btp", "stride_qd", "stride_kd")
+
+
+def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambda name: False):
+    names = list(inspect.signature(fn.fn).parameters)
+    const = dict(const)
+    for n in names:
+        if n in UNIT_STRIDES:
+            const[n] = 1
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in ptrs:
+            sig[n] = ptrs[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if aligned(n):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def _ptxas() -> str:
+    found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+    if not found:
+        raise SystemExit("no ptxas next to this Triton (backends/nvidia/bin/ptxas)")
+    return found[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=["decode", "fwd"])
+    ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
+    ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
+    ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
+    ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
+    ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
+    ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
+    args = ap.parse_args()
+    a, b, warps, stages = map(int, args.tiles.split(","))
+    if args.kernel == "decode":
+        from mla_attn.ops.decode.triton_decode import _decode_kernel as fn
+        ptrs = {"Q1": "*bf16", "Q2": "*bf16", "K1": "*bf16", "K2": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32",
+                "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32"}
+        const = dict(S=1, D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512, BLOCK_H=a, BLOCK_N=b,
+                     PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged, HAS_K2=True,
+                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    else:
+        from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn
+        from mla_attn.ops.attention.triton_fwd import split_head_dim
+        b0, b1 = split_head_dim(args.dqk)
+        ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32"}
+        const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
+                     BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=True, BLOCK_M=a, BLOCK_N=b,
+                     DOT_PREC="tf32", stride_vd=1)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride") or n in ("M", "N"))
+    os.makedirs(args.out, exist_ok=True)
+    ttgir, ptx = os.path.join(args.out, "kernel.ttgir"), os.path.join(args.out, "kernel.ptx")
+    with open(ttgir, "w") as f:
+        f.write(kernel.asm["ttgir"])
+    with open(ptx, "w") as f:
+        f.write(kernel.asm["ptx"])
+    res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(args.out, "kernel.cubin")],
+                         capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    print(f"triton {triton.__version__}  {args.kernel} {args.tiles}")
+    print(f"shared memory: {kernel.metadata.shared} bytes (H200 limit 232448)")
+    print(f"registers: {regs.group(1) if regs else '?'}  spills (store/load bytes): "
+          f"{spills.group(1) + '/' + spills.group(2) if spills else '?'}")
+    if not regs:
+        print("ptxas said:", log.strip()[:600] or f"nothing (exit {res.returncode})")
+    print(f"cp.async in PTX: {kernel.asm['ptx'].count('cp.async.cg')}  wgmma: {kernel.asm['ptx'].count('wgmma.mma_async')}")
+    mma = [re.search(r"warpsPerCTA = \[[0-9, ]+\].*instrShape = \[[0-9, ]+\]", line)
+           for line in kernel.asm["ttgir"].splitlines() if "nvidia_mma" in line and line.startswith("#")]
+    print("mma layouts:", "; ".join(m.group(0) for m in mma if m) or "none")
+    for line in log.splitlines():
+        if "C7513" in line or "C7514" in line or "C75" in line:
+            print("ptxas:", line.strip())
+    print(f"wrote {ttgir}, {ptx}")
+
+
+if __name__ == "__main__":
+    main()
