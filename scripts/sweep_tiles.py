@@ -45,9 +45,9 @@ def sweep_attn(args):
     from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 
     rows = [(4, 32, 32, 4096, 128, 128), (2, 16, 16, 8192, 192, 128)]
-    # (64, 64, 4, s): one warpgroup per program, two programs per SM (176-202 registers, 80-144 KB).
-    fwd_cfgs = {128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)],
-                192: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3)]}
+    # One-warpgroup tiles (64, 64, 4, s) were tried on 2026-12-03 and lost (docs/benchmarks.md).
+    fwd_cfgs = {128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3)],
+                192: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)]}
     dkdv_cfgs = {128: [(64, 128, 8, 3), (64, 64, 4, 3)], 192: [(64, 128, 8, 3)]}
     dq_cfgs = {128: [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 4), (128, 128, 8, 2)],
                192: [(128, 64, 8, 3), (128, 32, 4, 3)]}
@@ -87,9 +87,10 @@ def sweep_mla(args):
     from mla_attn.ops.decode import triton_decode as td
     C = td.DecodeConfig
     shapes = [(128, 16, 4096), (64, 16, 8192), (1, 128, 32768), (16, 128, 8192), (64, 128, 4096)]
-    cfgs = {16: [None, C(16, 64, 4, 3, 1, True), C(16, 64, 8, 3, 1, False)],
-            128: [None, C(64, 64, 8, 2, 1, False), C(64, 32, 8, 2, 1, True), C(64, 32, 8, 3, 1, True),
-                  C(64, 64, 8, 1, 1, True), C(64, 32, 8, 3, 1, False), C(64, 32, 8, 4, 1, True)]}
+    # H = 128: the default (UNCHAIN, 32 keys, 4 stages) against the chained tiles it replaced and a
+    # shallower UNCHAIN one; UNCHAIN at H = 16 lost on 2026-12-03 (docs/raw/sweep_2026-12-03_unchain.txt).
+    cfgs = {16: [None, C(16, 32, 4, 4, 2), C(16, 32, 4, 3, 2), C(16, 64, 4, 3, 2), C(16, 64, 8, 3, 1)],
+            128: [None, C(64, 64, 8, 2, unchain=False), C(64, 32, 8, 3, unchain=True)]}
     gen = torch.Generator().manual_seed(0)
     for b, h, length in shapes:
         seq_lens = _varlen(b, length, gen, "cuda")
@@ -102,8 +103,8 @@ def sweep_mla(args):
         nbytes = tokens * 576 * 2
         shape = f"B{b} H{h} L{length}"
         for cfg in cfgs[h]:
-            name = "default" if cfg is None else (f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}c{cfg.ctas_per_sm}"
-                                             f"u{cfg.unchain}")
+            name = "default" if cfg is None else (
+                f"h{cfg.block_h}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}c{cfg.ctas_per_sm}u{cfg.unchain}")
             _record("mla", shape, f"paged64 {name}", lambda: _graph_ms(
                 lambda: td.mla_decode(q4, qr4, pool[..., :512], pool[..., 512:], seq_lens, table, scale, None,
                                       config=cfg)), nbytes, "GB/s")
