@@ -28,6 +28,7 @@ def _combine_kernel(
     stride_or, stride_od,
     stride_lr,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the decode kernel: wait for its writes
 ):
     # A program merges BLOCK_R rows x BLOCK_DV columns in one pass over the parts, CHUNK parts per
     # step, with a running max as in the decode kernel's online softmax: each step's lse and o loads
@@ -35,6 +36,11 @@ def _combine_kernel(
     # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on
     # the H200 and on an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens)
     # from a serial chain.
+    if PDL:
+        # Launched early (programmatic dependent launch) while the decode kernel still runs; this
+        # waits until that grid has finished and its partials are visible. Index math above the
+        # first load is all that overlaps, and the launch itself.
+        tl.extra.cuda.gdc_wait()
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
     m_r = o_r < num_rows
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -74,45 +80,53 @@ def _combine_kernel(
 
 # Enough programs to spread a merge over every SM a few times (H200: 132 SMs).
 _TARGET_PROGRAMS = 512
-# Elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV).
+# Elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV), and the most parts per step.
 _STEP_ELEMENTS = 4096
+_MAX_CHUNK = 16
 
 
 @functools.lru_cache(maxsize=256)  # on every split decode call's host path
-def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS):
+def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS,
+                   step_elements: int = _STEP_ELEMENTS, max_chunk: int = _MAX_CHUNK):
     """(BLOCK_R, BLOCK_DV, CHUNK, num_warps): up to 16 rows x 128 columns per program, fewer rows when
     too few rows would leave SMs idle (``target_programs`` 0: always 16); CHUNK parts per step fill
-    the rest of a step's _STEP_ELEMENTS, up to 16."""
+    the rest of a step's ``step_elements``, up to ``max_chunk``."""
     block_dv = min(128, max(16, next_pow2(dv)))
     col_tiles = cdiv(dv, block_dv)
     block_r = 16
     while block_r > 1 and cdiv(rows, block_r) * col_tiles < target_programs:
         block_r //= 2
-    chunk = max(1, min(16, next_pow2(parts), _STEP_ELEMENTS // (block_r * block_dv)))
+    chunk = max(1, min(max_chunk, next_pow2(parts), step_elements // (block_r * block_dv)))
     warps = max(1, min(4, chunk * block_r * block_dv // 512))
     return block_r, block_dv, chunk, warps
 
 
-def _launch(o_parts3, lse_parts2, o2, lse1):
-    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R]."""
+def _launch(o_parts3, lse_parts2, o2, lse1, pdl: bool = False):
+    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R]. ``pdl``: launch as a
+    programmatic dependent of the kernel just queued (CUDA, sm_90+; that kernel triggers it)."""
     k, r, dv = o_parts3.shape
     if r == 0:
         return
     # The interpreter runs programs one by one: there, fewer and bigger is faster.
-    block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS if o2.is_cuda else 0)
+    if o2.is_cuda:
+        block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS, _STEP_ELEMENTS, _MAX_CHUNK)
+    else:
+        block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, 0)
+    extra = {"launch_pdl": True} if pdl else {}
     _combine_kernel[(cdiv(r, block_r), cdiv(dv, block_dv))](
         o_parts3, lse_parts2, o2, lse1, k, r,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
-        num_warps=warps,
+        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk, PDL=pdl,
+        num_warps=warps, **extra,
     )
 
 
-def combine_splits(o_part, lse_part, o, lse) -> None:
+def combine_splits(o_part, lse_part, o, lse, pdl: bool = False) -> None:
     """Merge the decode kernel's partials: o_part [K, B, H, S, Dv] fp32, lse_part [K, B, H, S] into
-    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous)."""
+    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous). ``pdl``: the
+    decode kernel was launched with PDL=True just before (it triggers this launch early)."""
     k, dv = o_part.shape[0], o_part.shape[-1]
-    _launch(o_part.view(k, -1, dv), lse_part.view(k, -1), o.view(-1, dv), lse.view(-1))
+    _launch(o_part.view(k, -1, dv), lse_part.view(k, -1), o.view(-1, dv), lse.view(-1), pdl)
 
 
 def merge_attention_states_triton(o_parts, lse_parts):
