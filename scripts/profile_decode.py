@@ -38,6 +38,20 @@ def _kernel_us(fn, calls=20):
     return out
 
 
+LAYERS = 8  # steps per graph in the "graph x8" column, each over its own cache (as a model's layers)
+
+
+def _graph_layers_us(fns):
+    """Per-step time of len(fns) steps captured in one CUDA graph, each over its own cache (so L2
+    holds none of the next step's cache): kernel time plus in-graph gaps, graph launch amortised."""
+    from triton.testing import do_bench
+
+    from bench_decode import capture_graph
+
+    g = capture_graph(lambda: [f() for f in fns])
+    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3 / len(fns)
+
+
 def _cases(gen):
     from mla_attn.ops.decode.triton_decode import gqa_decode, mla_decode
 
@@ -48,7 +62,13 @@ def _cases(gen):
     v = torch.randn(1, 8, 32768, 128, generator=gen).to(dev, bf)
     q = torch.randn(1, 32, 1, 128, generator=gen).to(dev, bf)
     gqa_bytes = 32768 * 8 * 256 * 2
-    yield "gqa B1 H32/8 L32768", gqa_bytes, lambda ns=None: gqa_decode(q, k, v, lens, None, 0.088, ns)
+    copies = [(k, v)] + [(k.clone(), v.clone()) for _ in range(LAYERS - 1)]
+
+    def gqa_make(i, ns=None, cfg=None):
+        ki, vi = copies[i]
+        return lambda: gqa_decode(q, ki, vi, lens, None, 0.088, ns, config=cfg)
+
+    yield "gqa B1 H32/8 L32768", gqa_bytes, gqa_make
     for b, h, length in [(1, 128, 32768), (16, 128, 8192), (64, 16, 8192)]:
         lens_m = torch.full((b,), length, dtype=torch.int32, device=dev)
         buf = torch.randn(b, length, DC + DR, generator=gen).to(dev, bf)
@@ -57,11 +77,15 @@ def _cases(gen):
         pool, table = _paged_from_contiguous(buf, gen)
         del buf
         nbytes = b * length * (DC + DR) * 2
+        pools = [pool] + [pool.clone() for _ in range(LAYERS - 1)]
 
-        def fn(ns=None, ql=ql, qr=qr, pool=pool, table=table, lens_m=lens_m):
-            return mla_decode(ql, qr, pool[..., :DC], pool[..., DC:], lens_m, table, 0.072, ns)
+        def mla_make(i, ns=None, cfg=None, ql=ql, qr=qr, pools=pools, table=table, lens_m=lens_m):
+            p = pools[i]
+            return lambda: mla_decode(ql, qr, p[..., :DC], p[..., DC:], lens_m, table, 0.072, ns, config=cfg)
 
-        yield f"mla B{b} H{h} L{length} paged64", nbytes, fn
+        yield f"mla B{b} H{h} L{length} paged64", nbytes, mla_make
+        del pools, pool
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -81,42 +105,67 @@ def main():
         "base 4096/16": (4096, 16, 512, False),
         "pdl 4096/16": (4096, 16, 512, None),
         "8192/64": (8192, 64, 512, False),
-        "pdl 8192/64": (8192, 64, 512, None),
-        "pdl 8192/64 t1024": (8192, 64, 1024, None),
-        "pdl 16384/64": (16384, 64, 512, None),
+        "inner 4096/16": (4096, 16, 512, False),
+        "inner 8192/64": (8192, 64, 512, False),
     }
     saved = (combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS, triton_decode.USE_PDL)
-    for name, nbytes, fn in _cases(gen):
+    for name, nbytes, make in _cases(gen):
+        fn = make(0)
         ref = fn()[0].float()
         say(f"## {name}")
         for vname, (se, mc, tp, pdl) in variants.items():
             combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS = se, mc, tp
             combine._combine_tiles.cache_clear()
             triton_decode.USE_PDL = pdl
+            triton_decode.PARTS_INNER = vname.startswith("inner")
             try:
                 out = fn()[0].float()
                 err = (out - ref).abs().max().item()
                 t = _bench(fn)
                 tg = _bench_graph(fn)
                 ks = _kernel_us(fn)
+                tl8 = _graph_layers_us([make(i) for i in range(LAYERS)]) * 1e-6
             except Exception as e:  # report, go on
                 say(f"{vname:22s} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             kern = ", ".join(f"{k}={v:.1f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
             gs = "-" if tg is None else f"{tg * 1e6:.1f} us {nbytes / tg / 1e9:.0f} GB/s"
-            say(f"{vname:22s} eager {t * 1e6:.1f} us | graph {gs} | max|diff| {err:.2e} | kernels(us): {kern}")
+            say(f"{vname:22s} eager {t * 1e6:.1f} us | graph {gs} | graph x{LAYERS} per step {tl8 * 1e6:.1f} us "
+                f"{nbytes / tl8 / 1e9:.0f} GB/s | max|diff| {err:.2e} | kernels(us): {kern}")
         combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS, triton_decode.USE_PDL = saved
+        triton_decode.PARTS_INNER = False
         combine._combine_tiles.cache_clear()
         if name.startswith("gqa"):
-            for ns in (8, 12, 16, 24, 32, 33, 48, 64):
-                tg = _bench_graph(lambda ns=ns: fn(ns))
-                say(f"splits {ns:3d} (default combine): graph "
-                    f"{'-' if tg is None else f'{tg * 1e6:.1f} us {nbytes / tg / 1e9:.0f} GB/s'}")
-        if name.startswith("mla B1 "):
-            for ns in (16, 32, 48, 63, 96, 128):
-                tg = _bench_graph(lambda ns=ns: fn(ns))
-                say(f"splits {ns:3d} (default combine): graph "
-                    f"{'-' if tg is None else f'{tg * 1e6:.1f} us {nbytes / tg / 1e9:.0f} GB/s'}")
+            import torch.nn.functional as F
+
+            from mla_attn.ops.decode.triton_decode import DecodeConfig
+
+            for label, ns, cfg in [("splits 16 (default)", None, None),
+                                   ("splits 33, 64-key tiles x3, 2/SM", 33, DecodeConfig(16, 64, 4, 3, 2)),
+                                   ("splits 33, 64-key tiles x4, 2/SM", 33, DecodeConfig(16, 64, 4, 4, 2)),
+                                   ("splits 16, 64-key tiles x4", 16, DecodeConfig(16, 64, 4, 4)),
+                                   ("splits 16, 128-key tiles x2", 16, DecodeConfig(16, 128, 4, 2)),
+                                   ("splits 16, 128-key tiles x3, 8 warps", 16, DecodeConfig(16, 128, 8, 3)),
+                                   ("splits 12 (default tiles)", 12, None)]:
+                try:
+                    f0 = make(0, ns, cfg)
+                    kt = _kernel_us(f0)
+                    tl8 = _graph_layers_us([make(i, ns, cfg) for i in range(LAYERS)]) * 1e-6
+                except Exception as e:
+                    say(f"{label}: failed: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                kern = ", ".join(f"{k}={v:.1f}" for k, v in sorted(kt.items(), key=lambda kv: -kv[1]))
+                say(f"{label:40s} graph x{LAYERS} per step {tl8 * 1e6:.1f} us {nbytes / tl8 / 1e9:.0f} GB/s | "
+                    f"kernels(us): {kern}")
+            gen2 = torch.Generator().manual_seed(1)
+            qq = torch.randn(1, 32, 1, 128, generator=gen2).to("cuda", torch.bfloat16)
+            kv = [(torch.randn(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYERS)]
+            sd = [lambda kk=kk, vv=vv: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True) for kk, vv in kv]
+            tl8 = _graph_layers_us(sd) * 1e-6
+            say(f"{'sdpa':40s} graph x{LAYERS} per step {tl8 * 1e6:.1f} us {nbytes / tl8 / 1e9:.0f} GB/s | "
+                f"kernels(us): {', '.join(f'{k}={v:.1f}' for k, v in _kernel_us(sd[0]).items())}")
+            del kv, sd
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

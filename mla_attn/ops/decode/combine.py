@@ -126,7 +126,11 @@ def combine_splits(o_part, lse_part, o, lse, pdl: bool = False) -> None:
     o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous). ``pdl``: the
     decode kernel was launched with PDL=True just before (it triggers this launch early)."""
     k, dv = o_part.shape[0], o_part.shape[-1]
-    _launch(o_part.view(k, -1, dv), lse_part.view(k, -1), o.view(-1, dv), lse.view(-1), pdl)
+    rows = o.numel() // dv
+    # (B, H, S) collapse to one row index in either partial layout (split outermost or innermost).
+    o3 = o_part.as_strided((k, rows, dv), (o_part.stride(0), o_part.stride(-2), o_part.stride(-1)))
+    l2 = lse_part.as_strided((k, rows), (lse_part.stride(0), lse_part.stride(-1)))
+    _launch(o3, l2, o.view(-1, dv), lse.view(-1), pdl)
 
 
 def merge_attention_states_triton(o_parts, lse_parts):

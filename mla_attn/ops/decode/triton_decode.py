@@ -233,6 +233,8 @@ _PDL_OK: dict[int, bool] = {}
 # Programmatic dependent launch of the split combine: None = where supported (sm_90+, a Triton with
 # griddepcontrol), False = never (a switch for benchmarks and for ruling it out when debugging).
 USE_PDL: bool | None = None
+# Layout of the split partials: False = [K, B, H, S, Dv] (split outermost), True = [B, H, S, K, Dv].
+PARTS_INNER = False
 
 
 def _pdl(device: torch.device) -> bool:
@@ -375,8 +377,12 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
     else:  # one buffer for both partials: one allocation fewer on the host path
         part = _alloc((num_splits * b * h * s * (d_v + 1),), dtype=torch.float32, device=device)
-        o_part = part[: num_splits * b * h * s * d_v].view(num_splits, b, h, s, d_v)
-        lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
+        if PARTS_INNER:  # a row's parts adjacent: [B, H, S, K, Dv], seen as [K, B, H, S, Dv]
+            o_part = part[: num_splits * b * h * s * d_v].view(b, h, s, num_splits, d_v).permute(3, 0, 1, 2, 4)
+            lse_part = part[num_splits * b * h * s * d_v:].view(b, h, s, num_splits).permute(3, 0, 1, 2)
+        else:
+            o_part = part[: num_splits * b * h * s * d_v].view(num_splits, b, h, s, d_v)
+            lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
 
     bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
     bt_strides = block_table.stride() if paged else (0, 0)
