@@ -310,11 +310,16 @@ def test_merge_tile_shapes(tiles, monkeypatch):
 
 
 def test_combine_tiles_choice():
-    """Few rows: fewer rows per program so the SMs have work; many parts: up to 16 per step."""
-    assert combine_mod._combine_tiles(2, 64 * 16, 512) == (8, 128, 2, 4)  # B=64 H=16, 2 splits: 512 programs
-    br, bdv, chunk, _ = combine_mod._combine_tiles(66, 128, 512)  # B=1 H=128, 66 splits
-    assert br == 1 and bdv == 128 and chunk == 16
-    assert combine_mod._combine_tiles(16, 32, 128, 0)[0] == 16  # the interpreter: always 16 rows
+    """The rule timed on the H200: many rows -> 8 rows x 256 columns, one part per step; few rows and
+    many parts (batch 1) -> one row, up to 32 parts per step; never more than 8192 elements a step."""
+    assert combine_mod._combine_tiles(2, 64 * 16, 512) == (8, 256, 1, 4)  # B=64 H=16, 2 splits
+    assert combine_mod._combine_tiles(4, 16 * 128, 512) == (8, 256, 1, 4)  # B=16 H=128, 4 splits
+    assert combine_mod._combine_tiles(63, 128, 512) == (1, 256, 32, 4)  # B=1 H=128, 63 splits
+    assert combine_mod._combine_tiles(16, 32, 128) == (1, 128, 16, 4)  # GQA B=1 32 heads, 16 splits
+    assert combine_mod._combine_tiles(16, 32, 128, 0)[0] == 8  # the interpreter: always 8 rows
+    for parts, rows, dv in [(128, 1, 1024), (3, 5, 16), (40, 300, 72)]:
+        br, bdv, chunk, _ = combine_mod._combine_tiles(parts, rows, dv)
+        assert br * bdv * chunk <= 8192 and bdv >= min(dv, 16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -78,25 +78,35 @@ def _combine_kernel(
         tl.store(LSE + o_r * stride_lr, b_lse_out, mask=m_r)
 
 
-# Enough programs to spread a merge over every SM a few times (H200: 132 SMs).
-_TARGET_PROGRAMS = 512
-# Elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV), and the most parts per step.
-_STEP_ELEMENTS = 4096
-_MAX_CHUNK = 16
+# Tile rule timed on the H200 (scripts/bench_combine.py, 2026-12-03, partials in L2 as after the decode
+# kernel): 63 parts x 128 rows x 512 -> (1, 256, 32) 5.1 us; 4 x 2048 x 512 -> (8, 256, 1) 4.2 us;
+# 2 x 1024 x 512 -> (8, 256, 1) 2.5 us. The rule before it, (1|16 rows, 128 columns, up to 16 parts
+# per step), took 8.8 / 15.6 / 5.0 us on the same three.
+_TARGET_PROGRAMS = 256  # programs to aim for (H200: 132 SMs, two or more each)
+_STEP_ELEMENTS = 8192  # most elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV)
+_MAX_CHUNK = 32  # most parts per step
 
 
 @functools.lru_cache(maxsize=256)  # on every split decode call's host path
 def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS,
                    step_elements: int = _STEP_ELEMENTS, max_chunk: int = _MAX_CHUNK):
-    """(BLOCK_R, BLOCK_DV, CHUNK, num_warps): up to 16 rows x 128 columns per program, fewer rows when
-    too few rows would leave SMs idle (``target_programs`` 0: always 16); CHUNK parts per step fill
-    the rest of a step's ``step_elements``, up to ``max_chunk``."""
-    block_dv = min(128, max(16, next_pow2(dv)))
+    """(BLOCK_R, BLOCK_DV, CHUNK, num_warps) for a merge of ``parts`` x ``rows`` x ``dv``.
+
+    Up to 8 rows x 256 columns per program, fewer rows while that leaves fewer than
+    ``target_programs`` programs (0: always 8). With 4 or more rows a program takes one part per
+    step: the loop's loads pipeline, and a many-row merge has few parts. With fewer rows (a merge of
+    dozens of parts at batch 1) CHUNK parts are loaded per step, up to ``max_chunk`` and
+    ``step_elements``, so the merge is one or two dependent load rounds.
+    """
+    block_dv = min(256, max(16, next_pow2(dv)))
     col_tiles = cdiv(dv, block_dv)
-    block_r = 16
+    block_r = 8
     while block_r > 1 and cdiv(rows, block_r) * col_tiles < target_programs:
         block_r //= 2
-    chunk = max(1, min(max_chunk, next_pow2(parts), step_elements // (block_r * block_dv)))
+    if block_r >= 4:
+        chunk = 1
+    else:
+        chunk = max(1, min(max_chunk, next_pow2(parts), step_elements // (block_r * block_dv)))
     warps = max(1, min(4, chunk * block_r * block_dv // 512))
     return block_r, block_dv, chunk, warps
 

@@ -231,9 +231,12 @@ class DecodeConfig:
 _NUM_SMS: dict[int, int] = {}
 _PDL_OK: dict[int, bool] = {}
 # Programmatic dependent launch of the split combine: None = where supported (sm_90+, a Triton with
-# griddepcontrol), False = never (a switch for benchmarks and for ruling it out when debugging).
-USE_PDL: bool | None = None
+# griddepcontrol), False = never. Off: on the H200 (2026-12-03, scripts/profile_decode.py, per step in
+# an 8-step graph) it gained at most 1% (MLA B=64 H=16, B=16 H=128), nothing on GQA B=1, and cost 18%
+# on MLA B=1 H=128 (52.6 -> 62.0 us), where the early combine programs take SM slots.
+USE_PDL: bool | None = False
 # Layout of the split partials: False = [K, B, H, S, Dv] (split outermost), True = [B, H, S, K, Dv].
+# Within 1.3% of each other on every profiled case (same source); outermost stays.
 PARTS_INNER = False
 
 
