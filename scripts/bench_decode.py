@@ -83,6 +83,21 @@ def _naive_mla(ql, qr, c, kr, seq_lens, scale):
     return torch.einsum("bhn,bnd->bhd", p, c)
 
 
+def _balanced(fn, on):
+    """fn with the decode's balanced split forced on or off while it launches (graph capture included)."""
+    from mla_attn.ops.decode import triton_decode
+
+    def run():
+        saved = triton_decode.BALANCE
+        triton_decode.BALANCE = on
+        try:
+            return fn()
+        finally:
+            triton_decode.BALANCE = saved
+
+    return run
+
+
 def _fmt(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -110,6 +125,10 @@ def bench_mla(args, gen, rows, configs=None):
                  "triton-paged64": lambda: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None),
                  "triton-paged1": lambda: mla_decode(q4, qr4, pool1[..., :DC], pool1[..., DC:], seq_lens, table1,
                                                      scale, None)}
+        if args.balance_variants:
+            for name in ("triton", "triton-paged64"):
+                for on in (True, False):
+                    cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if configs and (b, h, length) in SWEEP_MLA:
             for name, cfg in configs(h).items():
                 cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
@@ -155,6 +174,10 @@ def bench_gqa(args, gen, rows, configs=None):
                  "triton-paged64": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None),
                  "triton-paged1": lambda: gqa_decode(q, kp1, vp1, seq_lens, table1, d ** -0.5, None),
                  "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        if args.balance_variants:
+            for name in ("triton", "triton-paged64"):
+                for on in (True, False):
+                    cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if configs:
             for name, cfg in configs(hq // hkv).items():
                 cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
@@ -205,6 +228,8 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="also time each call replayed from a CUDA graph (GPU time without host launch overhead)")
     ap.add_argument("--only", choices=["mla", "gqa"], default=None)
+    ap.add_argument("--balance-variants", action="store_true",
+                    help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")

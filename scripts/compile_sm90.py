@@ -70,6 +70,7 @@ def main():
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--pdl", action="store_true", help="decode: PDL on (triggers the combine's launch)")
+    ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -81,7 +82,8 @@ def main():
                 "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32"}
         const = dict(S=1, D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512, BLOCK_H=a, BLOCK_N=b,
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged, HAS_K2=True,
-                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain, PDL=args.pdl)
+                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain, PDL=args.pdl,
+                     BALANCED=args.balanced, MAX_B=64 if args.balanced else 1)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     else:
         from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn

@@ -242,6 +242,40 @@ def test_unchained_dots_same_answer(unchain):
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 0.125), F32)
 
 
+# (kind, B, H(q), Hkv, S, lens, page, SMs): SMs sets the worker count W = SMs // (KV heads x head tiles).
+BALANCED_CASES = [
+    ("mla", 3, 16, 1, 1, [0, 17, 100], 16, 8),  # W=8 over 8 tiles of 16 keys: one sequence per worker or less
+    ("mla", 5, 9, 1, 2, [33, 0, 1, 100, 64], None, 3),  # W < B: runs cross sequences, a zero length inside
+    ("mla", 2, 4, 1, 1, [100, 3], 4, 50),  # W > T: empty runs inside a sequence's worker range (skipped)
+    ("gqa", 3, 8, 2, 2, [1, 64, 100], 4, 6),
+    ("gqa", 4, 9, 3, 1, [0, 0, 77, 0], None, 9),  # all but one sequence empty
+    ("gqa", 1, 6, 1, 1, [113], 16, 7),
+]
+
+
+@pytest.mark.parametrize("case", BALANCED_CASES, ids=lambda c: "{}-B{}-H{}-Hkv{}-S{}-L{}-P{}-sm{}".format(
+    c[0], c[1], c[2], c[3], c[4], "_".join(map(str, c[5])), c[6], c[7]))
+def test_balanced_split(case, monkeypatch):
+    """The balanced split (workers share the batch's key tiles, runs crossing sequences) against the
+    oracle: varlen with zeros, S = 2, paged and contiguous, fewer and more workers than tiles, and
+    NaN in every unused slot (the part buffer is NaN-filled, so a slot read but never written shows)."""
+    kind, b, h, hkv, s, lens, page, sms = case
+    monkeypatch.setattr(td, "BALANCE", True)
+    monkeypatch.setattr(td, "_num_sms", lambda device: sms)
+    for dtype in (F32, F16):
+        if kind == "mla":
+            ql, qr, c, kr, seq_lens, table = _mla_inputs(b, h, 64, 16, s, lens, page, dtype)
+            o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, None)
+            ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+            base = _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125)
+        else:
+            q, k, v, seq_lens, table = _gqa_inputs(b, h, hkv, 64, 48, s, lens, page, dtype)
+            o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, None)
+            ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+            base = _lowp_gqa(q, k, v, seq_lens, table, 0.125)
+        _check(o, lse, ref_o, ref_lse, base, dtype)
+
+
 def test_api_3d_query_matches_4d():
     """decode_attention with q [B, Hq, D] is the S = 1 case of [B, Hq, 1, D]."""
     q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [5, 0, 40], 4, F32)
@@ -411,6 +445,26 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mla16", "mla128", "gqa"])
+def test_balanced_matches_single_split_gpu(kind, monkeypatch):
+    """bf16 at benchmark-like shapes: the balanced split against the oracle, as close as num_splits=1."""
+    monkeypatch.setattr(td, "BALANCE", True)
+    lens = [3000, 4096, 0, 1, 3333, 4000, 17, 2048]
+    if kind == "gqa":
+        q, k, v, seq_lens, table = _gqa_inputs(8, 32, 8, 128, 128, 1, lens, 64, BF16)
+        o_b, lse_b = td.gqa_decode(q, k, v, seq_lens, table, 0.088, None)
+        o_1, _ = td.gqa_decode(q, k, v, seq_lens, table, 0.088, 1)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.088)
+    else:
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(8, 16 if kind == "mla16" else 128, 512, 64, 1, lens, 64, BF16)
+        o_b, lse_b = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, None)
+        o_1, _ = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, 1)
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o_b, lse_b, ref_o, ref_lse, o_1, BF16)
+
+
+@pytest.mark.gpu
 def test_heuristic_splits_match_single_split_gpu():
     ql, qr, c, kr, seq_lens, table = _mla_inputs(1, 128, 512, 64, 1, [8000], 64, BF16)
     cap = table.shape[1] * 64
@@ -424,8 +478,11 @@ def test_heuristic_splits_match_single_split_gpu():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_new_seq_lens_gpu():
-    """A captured decode step (heuristic splits) replays correctly after seq_lens and q change in place."""
+@pytest.mark.parametrize("balance", [False, True], ids=["per-sequence", "balanced"])
+def test_cuda_graph_replay_new_seq_lens_gpu(balance, monkeypatch):
+    """A captured decode step (heuristic splits, per-sequence or balanced) replays correctly after seq_lens
+    and q change in place: the balanced workers re-deal the new lengths on the device."""
+    monkeypatch.setattr(td, "BALANCE", balance)
     b, h, page, max_pages = 3, 16, 64, 40
     ql, qr, c, kr, seq_lens, table = _mla_inputs(b, h, 512, 64, 1, [2000, 2500, 1], page, BF16)
     # Give every sequence max_pages real pages (fresh ones past its current last page), so that
@@ -450,7 +507,7 @@ def test_cuda_graph_replay_new_seq_lens_gpu():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.1, None)
-    for lens in ([2000, 2500, 1], [2560, 0, 77], [1, 2559, 1999]):
+    for lens in ([2000, 2500, 1], [2560, 0, 77], [1, 2559, 1999], [0, 0, 0]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         ql.copy_(torch.randn_like(ql))
         g.replay()

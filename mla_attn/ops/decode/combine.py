@@ -29,6 +29,10 @@ def _combine_kernel(
     stride_lr,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the decode kernel: wait for its writes
+    # BALANCED: the parts come from the decode kernel's balanced workers (triton_decode.py): part
+    # slots are b + w for the workers w that took tiles of sequence b, recomputed here from the lengths.
+    SEQ_LENS=None, batch=1, rows_per_seq=1, tile_n=1,
+    BALANCED: tl.constexpr = False, MAX_B: tl.constexpr = 1,
 ):
     # A program merges BLOCK_R rows x BLOCK_DV columns in one pass over the parts, CHUNK parts per
     # step, with a running max as in the decode kernel's online softmax: each step's lse and o loads
@@ -41,20 +45,49 @@ def _combine_kernel(
         # waits until that grid has finished and its partials are visible. Index math above the
         # first load is all that overlaps, and the launch itself.
         tl.extra.cuda.gdc_wait()
-    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
-    m_r = o_r < num_rows
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
     o_c = tl.arange(0, CHUNK)
+    if BALANCED:
+        # A program's rows lie in one sequence b (grid axis 0: b x row tiles of its rows_per_seq).
+        # Worker w took tiles [ceil(w T / W), ceil((w+1) T / W)) of the batch's T, so the workers that
+        # touched b's tiles [excl, excl + nt) are floor(excl W / T) .. floor((excl + nt - 1) W / T);
+        # a worker in that range whose run is empty (T < W) wrote nothing and is skipped.
+        row_tiles = tl.cdiv(rows_per_seq, BLOCK_R)
+        i_b = tl.program_id(0) // row_tiles
+        o_rl = (tl.program_id(0) % row_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows within b
+        m_r = o_rl < rows_per_seq
+        o_r = i_b.to(tl.int64) * rows_per_seq + o_rl  # output rows
+        o_rp = o_rl.to(tl.int64)  # rows in the part buffers
+        o_bb = tl.arange(0, MAX_B)
+        n_tiles = tl.cdiv(tl.load(SEQ_LENS + o_bb, mask=o_bb < batch, other=0), tile_n)
+        total = tl.sum(n_tiles, 0).to(tl.int64)
+        excl = tl.sum(tl.where(o_bb < i_b, n_tiles, 0), 0).to(tl.int64)
+        nt = tl.sum(tl.where(o_bb == i_b, n_tiles, 0), 0).to(tl.int64)
+        w_first = excl * num_parts // tl.maximum(total, 1)
+        w_last = (excl + nt - 1) * num_parts // tl.maximum(total, 1)
+        k_lo = i_b + w_first  # first slot
+        k_n = tl.where(nt > 0, w_last - w_first + 1, 0)  # slots to visit
+    else:
+        o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] output rows
+        m_r = o_r < num_rows
+        o_rp = o_r
+        k_lo = 0
+        k_n = num_parts
     b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # running max of the parts' lse
     b_den = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    for k0 in range(0, num_parts, CHUNK):
-        o_k = (k0 + o_c).to(tl.int64)  # [CHUNK]
-        m_kr = (o_k < num_parts)[:, None] & m_r[None, :]
-        b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_r[None, :] * stride_lpr,
+    for k0 in range(0, k_n, CHUNK):
+        o_j = k0 + o_c  # [CHUNK] parts of this row block
+        m_k = o_j < k_n
+        if BALANCED:
+            o_w = (w_first + o_j).to(tl.int64)  # the worker that wrote part j
+            m_k = m_k & ((o_w * total + num_parts - 1) // num_parts < ((o_w + 1) * total + num_parts - 1) // num_parts)
+        o_k = (k_lo + o_j).to(tl.int64)  # [CHUNK] slots
+        m_kr = m_k[:, None] & m_r[None, :]
+        b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_rp[None, :] * stride_lpr,
                        mask=m_kr, other=float("-inf"))  # [CHUNK, BLOCK_R]
-        p_o = (O_PARTS + o_k[:, None, None] * stride_opk + o_r[None, :, None] * stride_opr
+        p_o = (O_PARTS + o_k[:, None, None] * stride_opk + o_rp[None, :, None] * stride_opr
                + o_d[None, None, :] * stride_opd)
         b_o = tl.load(p_o, mask=m_kr[:, :, None] & m_d[None, None, :], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_DV]
         b_m_new = tl.maximum(b_m, tl.max(b_lc, 0))
@@ -127,6 +160,7 @@ def _launch(o_parts3, lse_parts2, o2, lse1, pdl: bool = False):
         o_parts3, lse_parts2, o2, lse1, k, r,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
         DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk, PDL=pdl,
+        SEQ_LENS=lse1, batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused when not BALANCED
         num_warps=warps, **extra,
     )
 
@@ -141,6 +175,29 @@ def combine_splits(o_part, lse_part, o, lse, pdl: bool = False) -> None:
     o3 = o_part.as_strided((k, rows, dv), (o_part.stride(0), o_part.stride(-2), o_part.stride(-1)))
     l2 = lse_part.as_strided((k, rows), (lse_part.stride(0), lse_part.stride(-1)))
     _launch(o3, l2, o.view(-1, dv), lse.view(-1), pdl)
+
+
+def combine_balanced(o_part, lse_part, o, lse, seq_lens, num_workers: int, tile_n: int) -> None:
+    """Merge the balanced decode's partials: o_part [W + B - 1, H, S, Dv] fp32 and lse_part
+    [W + B - 1, H, S] (slot b + w: worker w's piece of sequence b) into o [B, H, S, Dv], lse [B, H, S]."""
+    b, h, s, dv = o.shape
+    rows_per_seq = h * s
+    if b * rows_per_seq == 0:
+        return
+    target = _TARGET_PROGRAMS if o.is_cuda else 0
+    block_r, block_dv, chunk, warps = _combine_tiles(cdiv(num_workers, b) + 1, b * rows_per_seq, dv, target)
+    block_r = min(block_r, next_pow2(rows_per_seq))  # a program's rows stay in one sequence
+    o3 = o_part.view(o_part.shape[0], rows_per_seq, dv)
+    l2 = lse_part.view(lse_part.shape[0], rows_per_seq)
+    o2, lse1 = o.view(-1, dv), lse.view(-1)
+    _combine_kernel[(b * cdiv(rows_per_seq, block_r), cdiv(dv, block_dv))](
+        o3, l2, o2, lse1, num_workers, b * rows_per_seq,
+        *o3.stride(), *l2.stride(), *o2.stride(), *lse1.stride(),
+        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk, PDL=False,
+        SEQ_LENS=seq_lens, batch=b, rows_per_seq=rows_per_seq, tile_n=tile_n,
+        BALANCED=True, MAX_B=next_pow2(b),
+        num_warps=warps,
+    )
 
 
 def merge_attention_states_triton(o_parts, lse_parts):

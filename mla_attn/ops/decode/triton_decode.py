@@ -24,18 +24,19 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv, next_pow2
-from .combine import combine_splits
+from .combine import combine_balanced, combine_splits
 
 _LOG2E = 1.4426950408889634
 _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
 
 
 @triton.jit
-def _decode_kernel(
-    Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
-    qk_scale,  # scale * log2(e): scores are kept in base 2
-    num_kv_heads, num_splits,
-    GROUP, NUM_HEAD_TILES,  # query heads per KV head; row tiles per KV head (runtime: fewer recompiles)
+def _attend(
+    Q1, Q2, K1, K2, V, BLOCK_TABLE, O, LSE,
+    qk_scale, GROUP,
+    i_b, i_kvh, i_t,  # sequence, KV head, head tile of these rows
+    i_part,  # index of the (o, lse) written along O's / LSE's first (split) axis
+    seq_len, lo, hi,  # keys [lo, hi) of a sequence of seq_len
     stride_q1b, stride_q1h, stride_q1s, stride_q1d,
     stride_q2b, stride_q2h, stride_q2s, stride_q2d,
     stride_k1o, stride_k1t, stride_k1h, stride_k1d,  # o: batch (contiguous) or page (paged); t: token in it
@@ -54,23 +55,9 @@ def _decode_kernel(
     V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
-    PDL: tl.constexpr,  # the split combine follows as a programmatic dependent launch: let it launch now
 ):
-    pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent
-    pid_split = tl.program_id(1)
-    if PDL:
-        # Once every program has started, the combine kernel may be launched and wait on-device
-        # (griddepcontrol.wait) instead of after this grid drains; it takes no slot a program of this
-        # grid still needs, since all of them are resident by then.
-        tl.extra.cuda.gdc_launch_dependents()
-    i_t = pid_row % NUM_HEAD_TILES
-    i_bk = pid_row // NUM_HEAD_TILES
-    i_kvh = i_bk % num_kv_heads
-    i_b = i_bk // num_kv_heads
+    """One program's rows over one KV interval: online softmax, then (o, lse) written to part i_part."""
     i_b64 = i_b.to(tl.int64)
-
-    seq_len = tl.load(SEQ_LENS + i_b)
-
     # Rows of this program: r = g * S + s (g: head within the group, s: new token).
     o_r = i_t * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     m_r = o_r < GROUP * S
@@ -79,11 +66,6 @@ def _decode_kernel(
     o_qh = (i_kvh * GROUP + o_g).to(tl.int64)
     # New token s sees keys j < seq_len - S + 1 + s (bottom-right causal).
     row_limit = seq_len - S + 1 + o_s  # [BLOCK_H]
-
-    # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
 
     o_d1 = tl.arange(0, BLOCK_D1)
     m_d1 = o_d1 < D1
@@ -208,12 +190,105 @@ def _decode_kernel(
     b_o = b_acc / tl.where(dead, 1.0, b_l)[:, None]
     b_lse = tl.where(dead, float("-inf"), (b_m + tl.log2(tl.where(dead, 1.0, b_l))) * 0.6931471805599453)
 
-    split64 = pid_split.to(tl.int64)
+    split64 = i_part.to(tl.int64)
     p_o = (O + split64 * stride_op + i_b64 * stride_ob + o_qh[:, None] * stride_oh + o_s[:, None] * stride_os
            + o_dv[None, :] * stride_od)
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
     p_lse = LSE + split64 * stride_lp + i_b64 * stride_lb + o_qh * stride_lh + o_s * stride_ls
     tl.store(p_lse, b_lse, mask=m_r)
+
+
+
+
+@triton.jit
+def _decode_kernel(
+    Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
+    qk_scale,  # scale * log2(e): scores are kept in base 2
+    num_kv_heads, num_splits,
+    GROUP, NUM_HEAD_TILES,  # query heads per KV head; row tiles per KV head (runtime: fewer recompiles)
+    batch,  # sequences (BALANCED reads all their lengths)
+    stride_q1b, stride_q1h, stride_q1s, stride_q1d,
+    stride_q2b, stride_q2h, stride_q2s, stride_q2d,
+    stride_k1o, stride_k1t, stride_k1h, stride_k1d,  # o: batch (contiguous) or page (paged); t: token in it
+    stride_k2o, stride_k2t, stride_k2h, stride_k2d,
+    stride_vo, stride_vt, stride_vh, stride_vd,
+    stride_btb, stride_btp,
+    stride_op, stride_ob, stride_oh, stride_os, stride_od,  # p: split
+    stride_lp, stride_lb, stride_lh, stride_ls,
+    S: tl.constexpr,  # new tokens per sequence
+    D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,  # PAGE_SIZE % BLOCK_N == 0: one page lookup per tile
+    HAS_K2: tl.constexpr,  # second score block (MLA rope)
+    V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+    UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
+    PDL: tl.constexpr,  # the split combine follows as a programmatic dependent launch: let it launch now
+    BALANCED: tl.constexpr,  # axis 1 = workers sharing the batch's key tiles equally (README.md here)
+    MAX_B: tl.constexpr,  # BALANCED: a power of two >= batch
+):
+    pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent; BALANCED: b = 0
+    pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
+    if PDL:
+        # Once every program has started, the combine kernel may be launched and wait on-device
+        # (griddepcontrol.wait) instead of after this grid drains; it takes no slot a program of this
+        # grid still needs, since all of them are resident by then.
+        tl.extra.cuda.gdc_launch_dependents()
+    i_t = pid_row % NUM_HEAD_TILES
+    i_bk = pid_row // NUM_HEAD_TILES
+    i_kvh = i_bk % num_kv_heads
+    if BALANCED:
+        # The batch's key tiles (each sequence cut into BLOCK_N-key tiles, in batch order) are dealt
+        # to num_splits workers in equal runs: worker w takes tiles [ceil(w T / W), ceil((w+1) T / W)).
+        # A run may cross sequences: each piece is a part of its sequence, written at slot b + w (unique,
+        # since a later worker never returns to an earlier sequence). combine.py finds the slots of b
+        # from the same arithmetic. No host sync: lengths are read here, on the device.
+        o_bb = tl.arange(0, MAX_B)
+        n_tiles = tl.cdiv(tl.load(SEQ_LENS + o_bb, mask=o_bb < batch, other=0), BLOCK_N)
+        total = tl.sum(n_tiles, 0).to(tl.int64)
+        w64 = pid_split.to(tl.int64)
+        t = ((w64 * total + num_splits - 1) // num_splits).to(tl.int32)
+        t_end = (((w64 + 1) * total + num_splits - 1) // num_splits).to(tl.int32)
+        incl = tl.cumsum(n_tiles, 0)
+        i_b = tl.sum(((incl <= t) & (o_bb < batch)).to(tl.int32), 0)  # the sequence holding tile t
+        excl = tl.sum(tl.where(o_bb < i_b, n_tiles, 0), 0)  # tiles before it
+        while t < t_end:
+            seq_len = tl.load(SEQ_LENS + i_b)
+            nt = tl.cdiv(seq_len, BLOCK_N)
+            seg_end = tl.minimum(t_end, excl + nt)
+            if seg_end > t:
+                lo = (t - excl) * BLOCK_N
+                hi = tl.minimum((seg_end - excl) * BLOCK_N, seq_len)
+                _attend(Q1, Q2, K1, K2, V, BLOCK_TABLE, O, LSE, qk_scale, GROUP, i_b, i_kvh, i_t, i_b + pid_split,
+                        seq_len, lo, hi,
+                        stride_q1b, stride_q1h, stride_q1s, stride_q1d, stride_q2b, stride_q2h, stride_q2s, stride_q2d,
+                        stride_k1o, stride_k1t, stride_k1h, stride_k1d, stride_k2o, stride_k2t, stride_k2h, stride_k2d,
+                        stride_vo, stride_vt, stride_vh, stride_vd, stride_btb, stride_btp,
+                        stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
+                        S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
+                        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
+                        HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN)
+            t = seg_end
+            excl += nt
+            i_b += 1
+    else:
+        i_b = i_bk // num_kv_heads
+        seq_len = tl.load(SEQ_LENS + i_b)
+        # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = pid_split * split_len
+        hi = tl.minimum(lo + split_len, seq_len)
+        _attend(Q1, Q2, K1, K2, V, BLOCK_TABLE, O, LSE, qk_scale, GROUP, i_b, i_kvh, i_t, pid_split,
+                seq_len, lo, hi,
+                stride_q1b, stride_q1h, stride_q1s, stride_q1d, stride_q2b, stride_q2h, stride_q2s, stride_q2d,
+                stride_k1o, stride_k1t, stride_k1h, stride_k1d, stride_k2o, stride_k2t, stride_k2h, stride_k2d,
+                stride_vo, stride_vt, stride_vh, stride_vd, stride_btb, stride_btp,
+                stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
+                S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
+                BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
+                HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN)
 
 
 @dataclass(frozen=True)
@@ -235,6 +310,10 @@ _PDL_OK: dict[int, bool] = {}
 # an 8-step graph) it gained at most 1% (MLA B=64 H=16, B=16 H=128), nothing on GQA B=1, and cost 18%
 # on MLA B=1 H=128 (52.6 -> 62.0 us), where the early combine programs take SM slots.
 USE_PDL: bool | None = False
+# Balanced split (BALANCED in the kernel): when num_splits is None, the programs along axis 1 share the
+# batch's key tiles equally, crossing sequence boundaries, instead of each taking 1/num_splits of one
+# sequence. True / False force it; None = the measured rule in _use_balanced.
+BALANCE: bool | None = None
 # Layout of the split partials: False = [K, B, H, S, Dv] (split outermost), True = [B, H, S, K, Dv].
 # Within 1.3% of each other on every profiled case (same source); outermost stays.
 PARTS_INNER = False
@@ -290,6 +369,13 @@ def choose_num_splits(batch: int, head_tiles: int, max_seq_len_hint: int, num_sm
         if fill(s) >= 0.95 * best:
             return s
     return 1
+
+
+def _use_balanced(mla: bool, batch: int, columns: int, capacity: int) -> bool:
+    """Whether a decode call with num_splits=None runs balanced (see BALANCE)."""
+    if BALANCE is not None:
+        return BALANCE
+    return False
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -369,14 +455,26 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if refitted:
         cfg = _fitted[fit_key]
     head_tiles = cdiv(rows, cfg.block_h)
-    if num_splits is None:
+    tile_n = _tile_keys(cfg.block_n, paged, page_size)
+    balanced = num_splits is None and _use_balanced(mla, b, num_kv_heads * head_tiles, capacity)
+    if balanced:
+        # Workers per (KV head, head tile): one wave of programs over the whole batch.
+        num_splits = max(1, _num_sms(device) * cfg.ctas_per_sm // (num_kv_heads * head_tiles))
+    elif num_splits is None:
         num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
                                        block_n=_tile_keys(cfg.block_n, paged, page_size), ctas_per_sm=cfg.ctas_per_sm)
     o = _alloc((b, h, s, d_v), dtype=q1.dtype, device=device)
     lse = _alloc((b, h, s), dtype=torch.float32, device=device)
     if o.numel() == 0 or lse.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    if num_splits == 1:
+    if balanced:  # slot b + w: worker w's piece of sequence b; a slot no worker writes is never read
+        slots = num_splits + b - 1
+        part = _alloc((slots * h * s * (d_v + 1),), dtype=torch.float32, device=device)
+        o_part = part[: slots * h * s * d_v].view(slots, h, s, d_v)
+        lse_part = part[slots * h * s * d_v:].view(slots, h, s)
+        o_strides = (o_part.stride(0), 0) + o_part.stride()[1:]
+        lse_strides = (lse_part.stride(0), 0) + lse_part.stride()[1:]
+    elif num_splits == 1:
         o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
     else:  # one buffer for both partials: one allocation fewer on the host path
         part = _alloc((num_splits * b * h * s * (d_v + 1),), dtype=torch.float32, device=device)
@@ -386,6 +484,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         else:
             o_part = part[: num_splits * b * h * s * d_v].view(num_splits, b, h, s, d_v)
             lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
+    if not balanced:
+        o_strides, lse_strides = o_part.stride(), lse_part.stride()
 
     bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
     bt_strides = block_table.stride() if paged else (0, 0)
@@ -394,18 +494,18 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_ = k1 if k2 is None else k2
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
-    grid = (b * num_kv_heads * head_tiles, num_splits)
-    pdl = num_splits > 1 and _pdl(device)
+    grid = ((1 if balanced else b) * num_kv_heads * head_tiles, num_splits)
+    pdl = num_splits > 1 and not balanced and _pdl(device)
 
     def run(c: DecodeConfig):
         block_n = _tile_keys(c.block_n, paged, page_size)
         _decode_kernel[grid](
             q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
-            scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles,
+            scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles, b,
             *q1.stride(), *q2_strides,
             *k1_strides, *k2_strides, *v_strides,
             *bt_strides,
-            *o_part.stride(), *lse_part.stride(),
+            *o_strides, *lse_strides,
             S=s,
             D1=d1, D2=max(d2, 1), DV=d_v,
             BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
@@ -414,7 +514,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             HAS_K2=q2 is not None, V_IS_K1=v is None,
             IEEE=q1.dtype == torch.float32,
             UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
-            PDL=pdl,
+            PDL=pdl, BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -433,7 +533,9 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             break
         else:
             raise RuntimeError(f"decode: no tile configuration fits this GPU, starting from {cfg}")
-    if num_splits > 1:
+    if balanced:
+        combine_balanced(o_part, lse_part, o, lse, seq_lens, num_splits, tile_n)
+    elif num_splits > 1:
         combine_splits(o_part, lse_part, o, lse, pdl)
     return o, lse
 
