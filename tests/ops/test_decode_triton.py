@@ -359,6 +359,15 @@ def test_combine_tiles_choice():
 # ----------------------------------------------------------------------------------------------
 # Split heuristic (pure Python)
 
+def test_balanced_rule():
+    """Balanced split only where it was measured to win: MLA tiles over 32 rows, a wave of programs."""
+    f = td._use_balanced
+    assert f(True, 128, 128, 2, 132) and f(True, 128, 64, 2, 132)  # H=128 at B=128 / B=64
+    assert not f(True, 128, 16, 2, 132) and not f(True, 128, 1, 2, 132)  # batch too small: per-sequence
+    assert not f(True, 16, 128, 1, 132)  # H=16 (memory-bound tiles)
+    assert not f(False, 64, 128, 8, 132)  # GQA
+
+
 def test_choose_num_splits():
     f = td.choose_num_splits
     assert f(128, 1, 4096, 132) == 1  # a full GPU is not split

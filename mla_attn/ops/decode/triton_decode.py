@@ -371,11 +371,19 @@ def choose_num_splits(batch: int, head_tiles: int, max_seq_len_hint: int, num_sm
     return 1
 
 
-def _use_balanced(mla: bool, batch: int, columns: int, capacity: int) -> bool:
-    """Whether a decode call with num_splits=None runs balanced (see BALANCE)."""
+def _use_balanced(mla: bool, rows: int, batch: int, columns: int, slots: int) -> bool:
+    """Whether a decode call with num_splits=None runs balanced (see BALANCE).
+
+    Measured on the H200 (2026-12-03, bench_decode.py --balance-variants, varlen lengths in [3L/4, L],
+    graph replays): MLA H=128 B=128 L=8192 1083 -> 1204 GB/s (262 -> 291 TFLOP/s), paged 1062 -> 1186;
+    B=64 L=4096 +0.5% / +1.6%. Where the per-sequence split already fills the GPU with one wave or
+    less it lost: MLA H=128 B=16 1022 -> 784, B=1 740 -> 477, MLA H=16 B=64/128 -8 to -23%, GQA -1
+    to -9% (the memory-bound tiles lose more per sequence boundary than they gain from balance). So:
+    the compute-bound MLA tiles (more than 32 rows), once the batch alone has about a wave of programs.
+    """
     if BALANCE is not None:
         return BALANCE
-    return False
+    return mla and rows > 32 and batch * columns * 10 >= slots * 9
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -456,7 +464,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         cfg = _fitted[fit_key]
     head_tiles = cdiv(rows, cfg.block_h)
     tile_n = _tile_keys(cfg.block_n, paged, page_size)
-    balanced = num_splits is None and _use_balanced(mla, b, num_kv_heads * head_tiles, capacity)
+    balanced = num_splits is None and _use_balanced(mla, rows, b, num_kv_heads * head_tiles,
+                                                    _num_sms(device) * cfg.ctas_per_sm)
     if balanced:
         # Workers per (KV head, head tile): one wave of programs over the whole batch.
         num_splits = max(1, _num_sms(device) * cfg.ctas_per_sm // (num_kv_heads * head_tiles))
