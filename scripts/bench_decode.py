@@ -57,6 +57,22 @@ def _bench_graph(fn):
         return None
 
 
+def _bench_layers(make, n):
+    """Per-step time of n decode steps captured in one CUDA graph, each over its own copy of the cache
+    (``make()`` clones one and returns the step), as the attention steps of n layers in a model's
+    captured decode step: kernel time plus in-graph gaps, the graph's launch shared by n steps, and
+    no step finding the previous step's cache in L2. None if it fails."""
+    try:
+        fns = [make() for _ in range(n)]
+        return _bench(capture_graph(lambda: [f() for f in fns]).replay) / n
+    except Exception as e:  # out of memory, a failed capture: report, do not abort the table
+        print(f"layered graph failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return None
+    finally:
+        fns = None
+        torch.cuda.empty_cache()
+
+
 def _varlen(b, length, gen, device):
     """Lengths in [3L/4, L], the first one L (so B = 1 is exactly L)."""
     lens = torch.randint(3 * length // 4, length + 1, (b,), generator=gen)
@@ -125,6 +141,10 @@ def bench_mla(args, gen, rows, configs=None):
                  "triton-paged64": lambda: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None),
                  "triton-paged1": lambda: mla_decode(q4, qr4, pool1[..., :DC], pool1[..., DC:], seq_lens, table1,
                                                      scale, None)}
+        layered = {"triton": lambda: (lambda bb=buf.clone(): mla_decode(q4, qr4, bb[..., :DC], bb[..., DC:], seq_lens,
+                                                                        None, scale, None)),
+                   "triton-paged64": lambda: (lambda pp=pool.clone(): mla_decode(q4, qr4, pp[..., :DC], pp[..., DC:],
+                                                                                seq_lens, table, scale, None))}
         if args.balance_variants:
             for name in ("triton", "triton-paged64"):
                 for on in (True, False):
@@ -142,10 +162,13 @@ def bench_mla(args, gen, rows, configs=None):
             except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
                 print(f"MLA B={b} H={h} L={length} {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
+            tl_ = _bench_layers(layered[name], args.layers) if args.graph and args.layers and name in layered else None
             rows.append(dict(op="mla", impl=name, B=b, H=h, L=length, tokens=tokens, us=t * 1e6,
                              gbs=nbytes / t / 1e9, tflops=flops / t / 1e12,
                              graph_us=None if tg is None else tg * 1e6,
-                             graph_gbs=None if tg is None else nbytes / tg / 1e9))
+                             graph_gbs=None if tg is None else nbytes / tg / 1e9,
+                             layers_us=None if tl_ is None else tl_ * 1e6,
+                             layers_gbs=None if tl_ is None else nbytes / tl_ / 1e9))
             print(_row_md(rows[-1]), flush=True)
 
 
@@ -174,6 +197,12 @@ def bench_gqa(args, gen, rows, configs=None):
                  "triton-paged64": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None),
                  "triton-paged1": lambda: gqa_decode(q, kp1, vp1, seq_lens, table1, d ** -0.5, None),
                  "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        layered = {"triton": lambda: (lambda kk=k.clone(), vv=v.clone(): gqa_decode(q, kk, vv, seq_lens, None,
+                                                                                   d ** -0.5, None)),
+                   "triton-paged64": lambda: (lambda kk=kp.clone(), vv=vp.clone(): gqa_decode(q, kk, vv, seq_lens, table,
+                                                                                           d ** -0.5, None)),
+                   "sdpa": lambda: (lambda kk=k.clone(), vv=v.clone(): F.scaled_dot_product_attention(q, kk, vv,
+                                                                                                    enable_gqa=True))}
         if args.balance_variants:
             for name in ("triton", "triton-paged64"):
                 for on in (True, False):
@@ -189,21 +218,26 @@ def bench_gqa(args, gen, rows, configs=None):
             except Exception as e:
                 print(f"GQA B={b} {hq}/{hkv} L={length} {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
+            tl_ = _bench_layers(layered[name], args.layers) if args.graph and args.layers and name in layered else None
             rows.append(dict(op="gqa", impl=name, B=b, H=f"{hq}/{hkv}", L=length, tokens=tokens, us=t * 1e6,
                              gbs=nbytes / t / 1e9, tflops=flops / t / 1e12,
                              graph_us=None if tg is None else tg * 1e6,
-                             graph_gbs=None if tg is None else nbytes / tg / 1e9))
+                             graph_gbs=None if tg is None else nbytes / tg / 1e9,
+                             layers_us=None if tl_ is None else tl_ * 1e6,
+                             layers_gbs=None if tl_ is None else nbytes / tl_ / 1e9))
             print(_row_md(rows[-1]), flush=True)
 
 
 def _row_md(r):
     return (f"| {r['op']} | {r['impl']} | {r['B']} | {r['H']} | {r['L']} | {r['us']:.1f} | {r['gbs']:.0f} | "
             f"{r['gbs'] * 1e9 / PEAK_BW:.2f} | {r['tflops']:.1f} | {r['tflops'] * 1e12 / PEAK_FLOPS:.2f} | "
-            f"{_fmt(r.get('graph_us'))} | {_fmt(r.get('graph_gbs'), 0)} |")
+            f"{_fmt(r.get('graph_us'))} | {_fmt(r.get('graph_gbs'), 0)} | {_fmt(r.get('layers_us'))} | "
+            f"{_fmt(r.get('layers_gbs'), 0)} |")
 
 
-HEADER = ("| op | impl | B | H | L | time (us) | GB/s | of 4.25 TB/s | TFLOP/s | of 687 | graph (us) | graph GB/s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| op | impl | B | H | L | time (us) | GB/s | of 4.25 TB/s | TFLOP/s | of 687 | graph (us) | graph GB/s "
+          "| step in 8-layer graph (us) | 8-layer GB/s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _sweep_configs_mla(h):
@@ -228,6 +262,8 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="also time each call replayed from a CUDA graph (GPU time without host launch overhead)")
     ap.add_argument("--only", choices=["mla", "gqa"], default=None)
+    ap.add_argument("--layers", type=int, default=8,
+                    help="with --graph: also time N steps over N cache copies in one graph, per step (0: off)")
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
     args = ap.parse_args()
@@ -250,7 +286,9 @@ def main():
             "bf16, Dc=512, Dr=64 (MLA; varlen lengths in [3L/4, L], bytes/FLOPs from the actual lengths), "
             "d=128 (GQA, all lengths L); page size 64 with a shuffled block table; "
             "triton.testing.do_bench median of eager calls (host launch cost included); 'graph' columns: "
-            "the same call replayed from a CUDA graph, as a serving engine runs a decode step.\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
+            "the same call replayed from a CUDA graph, as a serving engine runs a decode step; '8-layer' columns: "
+            "8 such steps over 8 copies of the cache in one graph, per step (a model's layers: the graph's launch "
+            "is shared, no step finds its cache in L2).\n\n" + HEADER + "\n" + "\n".join(_row_md(r) for r in rows) + "\n")
     print("\n" + text)
     if args.out:
         with open(args.out, "w") as f:
