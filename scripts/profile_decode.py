@@ -1,10 +1,12 @@
 """Where a split decode step's GPU time goes: decode kernel vs split combine vs the gaps between them.
 
-For each case this prints the CUDA-graph replay time of the whole step (as bench_decode.py) under a
-few variants of the split combine (parts per step, programmatic dependent launch on/off), and the
-per-kernel GPU durations from torch.profiler, so "step - kernels" is the launch gap a variant removes.
+For each case (MLA with varlen lengths in [3L/4, L], as bench_decode.py) this prints, for the
+per-sequence and the balanced split, the CUDA-graph replay time of the whole step, the per-step time
+in a graph of 8 steps over 8 cache copies, and the per-kernel GPU durations from torch.profiler, so
+"step - kernels" is the launch gap. (Session 11's first runs, with combine and PDL variants, are in
+docs/raw/profile_decode_2026-12-03_s11.txt.)
 
-    PYTHONPATH=. python3 scripts/profile_decode.py [--out profile.txt]
+    PYTHONPATH=. python3 scripts/profile_decode.py [--only mla|gqa] [--quick] [--out profile.txt]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DC, DR, _bench, _bench_graph, _paged_from_contiguous  # noqa: E402
+from bench_decode import DC, DR, _bench_graph, _paged_from_contiguous, _varlen  # noqa: E402
 
 
 def _kernel_us(fn, calls=20):
@@ -52,14 +54,15 @@ def _graph_layers_us(fns):
     return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3 / len(fns)
 
 
-def _cases(gen):
+def _cases(gen, only=None):
     from mla_attn.ops.decode.triton_decode import gqa_decode, mla_decode
 
     dev, bf = "cuda", torch.bfloat16
     # GQA (1, 32/8, 32768), d 128
-    lens = torch.full((1,), 32768, dtype=torch.int32, device=dev)
-    k = torch.randn(1, 8, 32768, 128, generator=gen).to(dev, bf)
-    v = torch.randn(1, 8, 32768, 128, generator=gen).to(dev, bf)
+    n_gqa = 32768 if only in (None, "gqa") else 64  # a stub when only MLA is asked for
+    lens = torch.full((1,), n_gqa, dtype=torch.int32, device=dev)
+    k = torch.randn(1, 8, n_gqa, 128, generator=gen).to(dev, bf)
+    v = torch.randn(1, 8, n_gqa, 128, generator=gen).to(dev, bf)
     q = torch.randn(1, 32, 1, 128, generator=gen).to(dev, bf)
     gqa_bytes = 32768 * 8 * 256 * 2
     copies = [(k, v)] + [(k.clone(), v.clone()) for _ in range(LAYERS - 1)]
@@ -68,15 +71,19 @@ def _cases(gen):
         ki, vi = copies[i]
         return lambda: gqa_decode(q, ki, vi, lens, None, 0.088, ns, config=cfg)
 
-    yield "gqa B1 H32/8 L32768", gqa_bytes, gqa_make
-    for b, h, length in [(1, 128, 32768), (16, 128, 8192), (64, 16, 8192)]:
-        lens_m = torch.full((b,), length, dtype=torch.int32, device=dev)
+    if only in (None, "gqa"):
+        yield "gqa B1 H32/8 L32768", gqa_bytes, gqa_make
+    copies.clear()
+    if only == "gqa":
+        return
+    for b, h, length in [(1, 128, 32768), (16, 128, 8192), (64, 16, 8192), (128, 16, 4096), (128, 128, 8192)]:
+        lens_m = _varlen(b, length, gen, dev)  # as bench_decode.py: lengths in [3L/4, L]
         buf = torch.randn(b, length, DC + DR, generator=gen).to(dev, bf)
         ql = torch.randn(b, h, 1, DC, generator=gen).to(dev, bf)
         qr = torch.randn(b, h, 1, DR, generator=gen).to(dev, bf)
         pool, table = _paged_from_contiguous(buf, gen)
         del buf
-        nbytes = b * length * (DC + DR) * 2
+        nbytes = int(lens_m.sum()) * (DC + DR) * 2
         pools = [pool] + [pool.clone() for _ in range(LAYERS - 1)]
 
         def mla_make(i, ns=None, cfg=None, ql=ql, qr=qr, pools=pools, table=table, lens_m=lens_m):
@@ -91,8 +98,10 @@ def _cases(gen):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=["mla", "gqa"], default=None)
+    ap.add_argument("--quick", action="store_true", help="skip the GQA tile variants and SDPA")
     args = ap.parse_args()
-    from mla_attn.ops.decode import combine, triton_decode
+    from mla_attn.ops.decode import triton_decode
 
     gen = torch.Generator().manual_seed(0)
     lines = []
@@ -101,27 +110,17 @@ def main():
         print(s, flush=True)
         lines.append(s)
 
-    variants = {  # name: (step_elements, max_chunk, target_programs, pdl)
-        "base 4096/16": (4096, 16, 512, False),
-        "pdl 4096/16": (4096, 16, 512, None),
-        "8192/64": (8192, 64, 512, False),
-        "inner 4096/16": (4096, 16, 512, False),
-        "inner 8192/64": (8192, 64, 512, False),
-    }
-    saved = (combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS, triton_decode.USE_PDL)
-    for name, nbytes, make in _cases(gen):
+    variants = {"per-sequence split": False, "balanced split": True}  # triton_decode.BALANCE
+    saved = triton_decode.BALANCE
+    for name, nbytes, make in _cases(gen, args.only):
         fn = make(0)
         ref = fn()[0].float()
         say(f"## {name}")
-        for vname, (se, mc, tp, pdl) in variants.items():
-            combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS = se, mc, tp
-            combine._combine_tiles.cache_clear()
-            triton_decode.USE_PDL = pdl
-            triton_decode.PARTS_INNER = vname.startswith("inner")
+        for vname, balance in variants.items():
+            triton_decode.BALANCE = balance
             try:
                 out = fn()[0].float()
                 err = (out - ref).abs().max().item()
-                t = _bench(fn)
                 tg = _bench_graph(fn)
                 ks = _kernel_us(fn)
                 tl8 = _graph_layers_us([make(i) for i in range(LAYERS)]) * 1e-6
@@ -130,11 +129,11 @@ def main():
                 continue
             kern = ", ".join(f"{k}={v:.1f}" for k, v in sorted(ks.items(), key=lambda kv: -kv[1]))
             gs = "-" if tg is None else f"{tg * 1e6:.1f} us {nbytes / tg / 1e9:.0f} GB/s"
-            say(f"{vname:22s} eager {t * 1e6:.1f} us | graph {gs} | graph x{LAYERS} per step {tl8 * 1e6:.1f} us "
+            say(f"{vname:22s} graph {gs} | graph x{LAYERS} per step {tl8 * 1e6:.1f} us "
                 f"{nbytes / tl8 / 1e9:.0f} GB/s | max|diff| {err:.2e} | kernels(us): {kern}")
-        combine._STEP_ELEMENTS, combine._MAX_CHUNK, combine._TARGET_PROGRAMS, triton_decode.USE_PDL = saved
-        triton_decode.PARTS_INNER = False
-        combine._combine_tiles.cache_clear()
+        triton_decode.BALANCE = saved
+        if args.quick:
+            continue
         if name.startswith("gqa"):
             import torch.nn.functional as F
 
