@@ -132,13 +132,53 @@ def sweep():
         torch.cuda.empty_cache()
 
 
+def bench_gluon(out=None):
+    """Forward only: the experimental Gluon kernel (gluon_fwd.py) vs ours and SDPA, on the rows it takes,
+    with a check against SDPA first (a wrong kernel's time is not reported)."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | fwd TF/s | SDPA TF/s | ours (Triton) TF/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
+        if not gluon_fwd.supported(q, k, v):
+            continue
+        scale = dqk ** -0.5
+        flops = 2 * b * hq * n * n * (dqk + dv) / 2
+        ref = _sdpa(q, k, v, scale)
+        t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
+        for name, kw in [("bn64 s3", {}), ("bn128 s3", dict(block_n=128, stages=3)),
+                         ("bn64 s4", dict(stages=4)), ("bn64 s3 pv_overlap", dict(pv_overlap=True))]:
+            try:
+                o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
+                err = (o.float() - ref.float()).abs().max().item()
+                t = _ms(lambda kw=kw: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw))
+            except Exception as e:  # a variant that does not compile or fit: report, go on
+                print(f"gluon {name} B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            ok = err < 0.05  # bf16 outputs of O(1): SDPA and a correct kernel differ by ~1e-2 at most
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {name} | {err:.1e} | "
+                         f"{flops / t / 1e9 if ok else float('nan'):.0f} | {flops / t_sdpa / 1e9:.0f} | "
+                         f"{flops / t_ours / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
+    ap.add_argument("--gluon", metavar="OUT", help="only: time the experimental Gluon forward, table to OUT")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
+    if args.gluon:
+        bench_gluon(args.gluon)
+        return
     if args.sweep:
         sweep()
     lines = [

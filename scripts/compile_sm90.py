@@ -7,6 +7,7 @@ with the Triton the GPU image has (3.6), e.g. from a side virtual environment:
     python3 -m venv /tmp/v36 && /tmp/v36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
     PYTHONPATH=. /tmp/v36/bin/python scripts/compile_sm90.py decode 64,32,8,4 --unchain --paged
     PYTHONPATH=. /tmp/v36/bin/python scripts/compile_sm90.py fwd 128,64,8,3 --dqk 192 --dv 128
+    PYTHONPATH=. /tmp/v36/bin/python scripts/compile_sm90.py gluon 128,64,8,3 --dqk 128 --dv 128
 
 Tiles are ``BLOCK_H,BLOCK_N,num_warps,num_stages`` (decode: absorbed MLA, Dc 512 + Dr 64, bf16, one new
 token) or ``BLOCK_M,BLOCK_N,num_warps,num_stages`` (fwd: causal flash forward, bf16).
@@ -45,14 +46,18 @@ def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambd
             sig[n] = "constexpr"
         elif n in ptrs:
             sig[n] = ptrs[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not ptrs[n].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
             if aligned(n):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -65,12 +70,13 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd"])
+    ap.add_argument("kernel", choices=["decode", "fwd", "gluon"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--pdl", action="store_true", help="decode: PDL on (triggers the combine's launch)")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
+    ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -84,6 +90,19 @@ def main():
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged, HAS_K2=True,
                      V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain, PDL=args.pdl,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "gluon":  # the experimental Gluon forward (mla_attn/ops/attention/gluon_fwd.py)
+        from triton.experimental.gluon import language as gl
+
+        from mla_attn.ops.attention.gluon_fwd import _flash_fwd_gluon as fn
+
+        def desc(rows, cols):
+            return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+        ptrs = {"q_desc": desc(a, args.dqk), "k_desc": desc(b, args.dqk), "v_desc": desc(b, args.dv), "O": "*bf16",
+                "LSE": "*fp32"}
+        const = dict(D_QK=args.dqk, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=True,
+                     PV_OVERLAP=args.pv_overlap, num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     else:
         from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn

@@ -43,6 +43,10 @@ fi
 if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
   step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
 fi
+# The experimental Gluon forward, in its own process (a kernel fault cannot take the other steps with it).
+if [ -f mla_attn/ops/attention/gluon_fwd.py ] && [ "${SKIP_GLUON:-0}" != 1 ]; then
+  step "bench gluon forward (experimental)" "$(lim 120)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
+fi
 step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 echo "gpu_check status: $status"
 exit $status

@@ -1,0 +1,235 @@
+"""EXPERIMENTAL, not wired in: a Hopper flash-attention forward written in Gluon.
+
+Why Gluon: the plain-Triton forward (``triton_fwd.py``) tops out at 0.77-0.88x of cuDNN SDPA on the
+H200, because Triton 3.6 waits for each wgmma right after issuing it whenever its result is used in
+the same iteration. The softmax (MUFU and ALU work) therefore never overlaps the tensor cores; the
+analysis is in docs/benchmarks.md, session 10. Gluon exposes ``warpgroup_mma(is_async=True)`` and
+``warpgroup_mma_wait(num_outstanding=...)``, so the overlap can be written out:
+
+    loop top: S_j = Q K_j^T is complete, P_{j-1} V_{j-1} may still run
+    1. issue S_{j+1} = Q K_{j+1}^T                       (tensor cores)
+    2. softmax of S_j -> P_j, row rescale alpha_j         (CUDA cores, while 1 runs)
+    3. wait until at most 1 wgmma group is in flight      (P_{j-1} V_{j-1} done; S_{j+1} may run)
+    4. refill the ring stage that tile j - 1 used (TMA)
+    5. acc = alpha_j * acc; issue acc += P_j V_j          (tensor cores)
+    6. wait until at most 1 group is in flight            (S_{j+1} done; P_j V_j may run into j + 1)
+
+With step 6 as written (``PV_OVERLAP=True``) both wgmmas of an iteration overlap a softmax, but
+ptxas 12.8 (Triton 3.6) then reports C7514 and serialises every wgmma. The loop-carried scores are
+copied out of the accumulator registers of S_{j+1} while P_j V_j is still in flight, and ptxas does
+not see that wait_group 1 retired S_{j+1}. The default (``PV_OVERLAP=False``) waits for both at
+step 6. S_{j+1} still overlaps the softmax of S_j, and ptxas keeps the wgmmas asynchronous (local
+compile). Register-disjoint ping-pong buffers for S (the loop unrolled by two) may lift this. K and V tiles arrive by TMA through a
+STAGES-deep ring of shared-memory buffers, one mbarrier each (STAGES >= 3: the stage refilled in
+iteration j is tile j - 1's, and tile j + 1 must already be on its way). P goes from the S accumulator to
+the A operand of P V in registers. Two warpgroups (8 warps) own 64 rows each of a 128-row block.
+
+Status (2026-12-03, session 11): written and compiled for sm_90a on a machine without a GPU
+(``scripts/compile_sm90.py gluon``), never run. The GPU test
+``tests/ops/test_attention_gluon.py`` checks it against the float64 oracle; it must pass before
+anything routes here. Scope: bf16/fp16, [B, H, L, D] inputs (copied if not contiguous), D_qk and D_v
+64, 128 or 256, any M and N, causal bottom-right or not, GQA. Everything else stays on the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+_LOG2E = 1.4426950408889634
+
+if AVAILABLE:
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, o_m, o_n, M, N, n0, qk_scale,
+                      CAUSAL: gl.constexpr, MASK: gl.constexpr):
+        """Scores s [BLOCK_M, BLOCK_N] of key tile n0 -> (p, alpha, m_new, l_new), base 2."""
+        s = s * qk_scale
+        if MASK:
+            cols = n0 + o_n
+            vis = (cols < N)[None, :]
+            if CAUSAL:
+                vis = vis & (cols[None, :] <= (o_m + (N - M))[:, None])
+            s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, kv_row0, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Start the TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end)."""
+        stage = tile % STAGES
+        pred = tile < n_tiles
+        bar = bars.index(stage)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0 + tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [kv_row0 + tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _flash_fwd_gluon(
+        q_desc, k_desc, v_desc, O, LSE,
+        qk_scale, M, N, H, HK,
+        stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+        D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        i_b = pid_bh // H
+        i_h = pid_bh % H
+        i_hk = i_h // (H // HK)
+        q_row0 = pid_bh * M + pid_m * BLOCK_M  # rows of the [B * H * M, D_QK] view
+        kv_row0 = (i_b * HK + i_hk) * N  # rows of the [B * HK * N, D] views
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, D_V, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        # Key tiles this row block sees: all of them, or (causal, bottom-right) up to its last row's.
+        kv_end = N
+        if CAUSAL:
+            kv_end = gl.minimum(N, (pid_m + 1) * BLOCK_M + (N - M))
+            kv_end = gl.maximum(kv_end, 0)
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
+        for i in gl.static_range(STAGES - 1):
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES)
+
+        o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D_V], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bar, 0)
+        if n_tiles > 0:
+            mbarrier.wait(bars.index(0), 0)
+            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            acc = warpgroup_mma_init(acc)  # loop-carried as a wgmma accumulator (it ends each iteration in flight)
+            # Steady state: tiles 0 .. n_tiles - 2, each with the next score tile in flight.
+            for j in range(0, n_tiles - 1):
+                nxt = (j + 1) % STAGES
+                mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
+                s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j * BLOCK_N, qk_scale,
+                                                   CAUSAL, CAUSAL or (j + 1) * BLOCK_N > N)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P V of tile j - 1 done
+                # Both warpgroups must be past tile j - 1 before its stage is refilled: each wgmma wait
+                # covers only its own warpgroup.
+                gl.thread_barrier()
+                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N, STAGES)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+                if PV_OVERLAP:  # P_j V_j runs on into the next iteration's softmax (see the docstring)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+                else:
+                    s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+                    acc = warpgroup_mma_init(acc)
+            # Last tile: nothing left to prefetch or to overlap.
+            j_last = n_tiles - 1
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j_last * BLOCK_N, qk_scale,
+                                               CAUSAL, True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_smem.index(j_last % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
+        dead = l_i == 0.0
+        lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
+        o = acc * inv[:, None]
+        o_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+        o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+        p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh + o_mo.to(gl.int64)[:, None] * stride_om
+               + o_d[None, :])
+        gl.store(p_o, o.to(O.dtype.element_ty), mask=(o_mo < M)[:, None])
+        gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`flash_fwd_gluon` takes these inputs (else use the Triton kernel)."""
+    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    # TMA block shapes are powers of two: 192 (MLA expanded) would need the head dim split in two
+    # blocks, one wgmma each; not done yet.
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and d_qk in (64, 128, 256) and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
+
+
+def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
+                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool = False):
+    """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
+
+    Experimental: see the module docstring. Causal is aligned to the bottom right (query i sees keys
+    j <= i + N - M).
+    """
+    if not supported(q, k, v):
+        raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} on {q.device}")
+    b, h, m, d_qk = q.shape
+    hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    if max(d_qk, d_v) > 128 and block_n == 64:  # shared memory: Q + stages x (K + V) within 227 KB
+        block_n = 32
+    stages = 3 if stages is None else stages
+    if stages < 3:
+        # Iteration j refills the stage of tile j - 1 with tile j + stages - 1 and waits for tile j + 1
+        # first: with two stages those are the same tile.
+        raise ValueError(f"flash_fwd_gluon: stages must be >= 3, got {stages}")
+    o = torch.empty(b, h, m, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    q2 = q.contiguous().view(b * h * m, d_qk)
+    k2 = k.contiguous().view(b * hk * n, d_qk)
+    v2 = v.contiguous().view(b * hk * n, d_v)
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_desc = TensorDescriptor.from_tensor(q2, [block_m, d_qk], gl.NVMMASharedLayout.get_default_for([block_m, d_qk], el))
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d_qk], gl.NVMMASharedLayout.get_default_for([block_n, d_qk], el))
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d_v], gl.NVMMASharedLayout.get_default_for([block_n, d_v], el))
+    grid = ((m + block_m - 1) // block_m, b * h)
+    _flash_fwd_gluon[grid](
+        q_desc, k_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        PV_OVERLAP=pv_overlap, num_warps=num_warps,
+    )
+    return o, lse
