@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="decode: PDL on (triggers the combine's launch)")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
+    ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -99,9 +100,12 @@ def main():
         def desc(rows, cols):
             return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
 
-        ptrs = {"q_desc": desc(a, args.dqk), "k_desc": desc(b, args.dqk), "v_desc": desc(b, args.dv), "O": "*bf16",
-                "LSE": "*fp32"}
-        const = dict(D_QK=args.dqk, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=True,
+        from mla_attn.ops.attention.gluon_fwd import _split_head_dim
+
+        d0, d1 = _split_head_dim(args.dqk)
+        ptrs = {"q_desc": desc(a, d0), "k_desc": desc(b, d0), "q1_desc": desc(a, d1 or d0), "k1_desc": desc(b, d1 or d0),
+                "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
+        const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     else:

@@ -18,7 +18,7 @@ gluon_fwd = pytest.importorskip("mla_attn.ops.attention.gluon_fwd")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 # (B, Hq, Hkv, M, N, D_qk, D_v, causal): ragged lengths (M, N not multiples of the tiles), M > N
-# (rows that see no key), cached prefix (M < N), GQA and MQA, both head widths the kernel takes.
+# (rows that see no key), cached prefix (M < N), GQA and MQA, the head widths the kernel takes.
 CASES = [
     (1, 4, 4, 1023, 1024, 128, 128, True),
     (1, 4, 2, 1023, 1024, 128, 128, False),
@@ -28,6 +28,9 @@ CASES = [
     (1, 2, 2, 1, 1, 64, 64, True),
     (1, 2, 2, 257, 300, 256, 256, False),
     (1, 3, 3, 4224, 4224, 128, 128, True),
+    (1, 2, 2, 300, 333, 192, 128, True),   # MLA expanded: Dqk split 128 + 64
+    (1, 4, 1, 257, 511, 192, 128, False),
+    (2, 8, 8, 1024, 1024, 192, 128, True),
 ]
 
 

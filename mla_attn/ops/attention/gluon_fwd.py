@@ -27,8 +27,8 @@ the A operand of P V in registers. Two warpgroups (8 warps) own 64 rows each of 
 Status (2026-12-03, session 11): written and compiled for sm_90a on a machine without a GPU
 (``scripts/compile_sm90.py gluon``), never run. The GPU test
 ``tests/ops/test_attention_gluon.py`` checks it against the float64 oracle; it must pass before
-anything routes here. Scope: bf16/fp16, [B, H, L, D] inputs (copied if not contiguous), D_qk and D_v
-64, 128 or 256, any M and N, causal bottom-right or not, GQA. Everything else stays on the Triton kernel.
+anything routes here. Scope: bf16/fp16, [B, H, L, D] inputs (copied if not contiguous), D_v 64, 128 or 256,
+D_qk a power of two or a sum of two (192 = 128 + 64: two TMA blocks, two chained wgmmas), any M and N, causal bottom-right or not, GQA. Everything else stays on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -67,22 +67,66 @@ if AVAILABLE:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, tile, kv_row0, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, tile, kv_row0, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
         """Start the TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end)."""
         stage = tile % STAGES
         pred = tile < n_tiles
         bar = bars.index(stage)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+        if SPLIT:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes,
+                            pred=pred)
+        else:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(k_desc, [kv_row0 + tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+        if SPLIT:  # the key columns past the first power of two (Dqk 192 = 128 + 64)
+            tma.async_copy_global_to_shared(k1_desc, [kv_row0 + tile * BLOCK_N, D_QK0], bar, k1_smem.index(stage),
+                                            pred=pred)
         tma.async_copy_global_to_shared(v_desc, [kv_row0 + tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
 
     @gluon.jit
+    def _qk(q_smem, q1_smem, k_smem, k1_smem, stage, s_zero, SPLIT: gl.constexpr):
+        """Issue S = Q K^T for the key tile in ``stage`` (one wgmma group, two when the head dim is split)."""
+        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(q1_smem, k1_smem.index(stage).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _steady_step(j, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                     kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr, row_o: gl.constexpr,
+                     p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     PV_OVERLAP: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
+        """Key tile j (not the last): steps 1-6 of the module docstring. s holds tile j's finished
+        scores; returns tile j + 1's, and acc in flight (a wgmma accumulator)."""
+        nxt = (j + 1) % STAGES
+        mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
+        s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
+        # Tile j < n_tiles - 1 lies wholly below N: only the causal mask can apply.
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j * BLOCK_N, qk_scale, CAUSAL, CAUSAL)
+        # P V of tile j - 1 done; the score groups just issued may still run.
+        acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
+        # Both warpgroups must be past tile j - 1 before its stage is refilled: each wgmma wait covers
+        # only its own warpgroup.
+        gl.thread_barrier()
+        _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
+                 STAGES, D_QK0, SPLIT)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        if PV_OVERLAP:  # P_j V_j runs on into the next tile's softmax
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+        else:
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+            acc = warpgroup_mma_init(acc)
+        return s, acc, m_i, l_i
+
+    @gluon.jit
     def _flash_fwd_gluon(
-        q_desc, k_desc, v_desc, O, LSE,
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
         qk_scale, M, N, H, HK,
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-        D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid_m = gl.program_id(0)
@@ -90,7 +134,7 @@ if AVAILABLE:
         i_b = pid_bh // H
         i_h = pid_bh % H
         i_hk = i_h // (H // HK)
-        q_row0 = pid_bh * M + pid_m * BLOCK_M  # rows of the [B * H * M, D_QK] view
+        q_row0 = pid_bh * M + pid_m * BLOCK_M  # rows of the [B * H * M, Dqk] view
         kv_row0 = (i_b * HK + i_hk) * N  # rows of the [B * HK * N, D] views
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -102,8 +146,15 @@ if AVAILABLE:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK], k_desc.layout)
+        SPLIT: gl.constexpr = D_QK1 > 0  # Dqk = D_QK0 + D_QK1, each a power of two (TMA block shapes)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK0], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK0], k_desc.layout)
+        if SPLIT:
+            q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK1], q1_desc.layout)
+            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK1], k1_desc.layout)
+        else:
+            q1_smem = q_smem
+            k1_smem = k_smem
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -118,10 +169,15 @@ if AVAILABLE:
             kv_end = gl.maximum(kv_end, 0)
         n_tiles = gl.cdiv(kv_end, BLOCK_N)
 
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        if SPLIT:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q1_desc, [q_row0, D_QK0], q_bar, q1_smem)
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
         for i in gl.static_range(STAGES - 1):
-            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES)
+            _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
+                     D_QK0, SPLIT)
 
         o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
         o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -133,30 +189,34 @@ if AVAILABLE:
         mbarrier.wait(q_bar, 0)
         if n_tiles > 0:
             mbarrier.wait(bars.index(0), 0)
-            s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = _qk(q_smem, q1_smem, k_smem, k1_smem, 0, s_zero, SPLIT)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             acc = warpgroup_mma_init(acc)  # loop-carried as a wgmma accumulator (it ends each iteration in flight)
-            # Steady state: tiles 0 .. n_tiles - 2, each with the next score tile in flight.
-            for j in range(0, n_tiles - 1):
-                nxt = (j + 1) % STAGES
-                mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
-                s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j * BLOCK_N, qk_scale,
-                                                   CAUSAL, CAUSAL or (j + 1) * BLOCK_N > N)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P V of tile j - 1 done
-                # Both warpgroups must be past tile j - 1 before its stage is refilled: each wgmma wait
-                # covers only its own warpgroup.
-                gl.thread_barrier()
-                _load_kv(k_desc, v_desc, k_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N, STAGES)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-                if PV_OVERLAP:  # P_j V_j runs on into the next iteration's softmax (see the docstring)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-                else:
-                    s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-                    acc = warpgroup_mma_init(acc)
+            # Steady state: tiles 0 .. n_tiles - 2, each with the next score tile in flight. With
+            # PV_OVERLAP the loop is unrolled by two, so that the scores of consecutive tiles live in
+            # two register sets and no copy of an in-flight accumulator is needed at the back edge.
+            n_steady = n_tiles - 1
+            if PV_OVERLAP:
+                for jj in range(0, n_steady // 2):
+                    s, acc, m_i, l_i = _steady_step(
+                        2 * jj, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                        kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
+                        CAUSAL, True, D_QK0, SPLIT)
+                    s, acc, m_i, l_i = _steady_step(
+                        2 * jj + 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                        kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
+                        CAUSAL, True, D_QK0, SPLIT)
+                if n_steady % 2 == 1:
+                    s, acc, m_i, l_i = _steady_step(
+                        n_steady - 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
+                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
+                        STAGES, CAUSAL, True, D_QK0, SPLIT)
+            else:
+                for j in range(0, n_steady):
+                    s, acc, m_i, l_i = _steady_step(
+                        j, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                        kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
+                        CAUSAL, False, D_QK0, SPLIT)
             # Last tile: nothing left to prefetch or to overlap.
             j_last = n_tiles - 1
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j_last * BLOCK_N, qk_scale,
@@ -189,10 +249,20 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    # TMA block shapes are powers of two: 192 (MLA expanded) would need the head dim split in two
-    # blocks, one wgmma each; not done yet.
     return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and d_qk in (64, 128, 256) and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
+            and _split_head_dim(d_qk) is not None and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
+
+
+def _split_head_dim(d: int):
+    """(d0, d1) with d = d0 + d1, d0 a power of two >= 16, d1 0 or a power of two >= 16 (TMA block shapes
+    are powers of two: 192 = 128 + 64), d <= 256; None if there is no such split."""
+    if d > 256 or d < 16:
+        return None
+    d0 = 1 << (d.bit_length() - 1)
+    d1 = d - d0
+    if d1 == 0:
+        return d0, 0
+    return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
 
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
@@ -222,14 +292,18 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     k2 = k.contiguous().view(b * hk * n, d_qk)
     v2 = v.contiguous().view(b * hk * n, d_v)
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_desc = TensorDescriptor.from_tensor(q2, [block_m, d_qk], gl.NVMMASharedLayout.get_default_for([block_m, d_qk], el))
-    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d_qk], gl.NVMMASharedLayout.get_default_for([block_n, d_qk], el))
-    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d_v], gl.NVMMASharedLayout.get_default_for([block_n, d_v], el))
+    d0, d1 = _split_head_dim(d_qk)
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+
+    q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
+    q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
     grid = ((m + block_m - 1) // block_m, b * h)
     _flash_fwd_gluon[grid](
-        q_desc, k_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, num_warps=num_warps,
     )
     return o, lse
