@@ -1,34 +1,37 @@
 """EXPERIMENTAL, not wired in: a Hopper flash-attention forward written in Gluon.
 
 Why Gluon: the plain-Triton forward (``triton_fwd.py``) tops out at 0.77-0.88x of cuDNN SDPA on the
-H200, because Triton 3.6 waits for each wgmma right after issuing it whenever its result is used in
-the same iteration. The softmax (MUFU and ALU work) therefore never overlaps the tensor cores; the
-analysis is in docs/benchmarks.md, session 10. Gluon exposes ``warpgroup_mma(is_async=True)`` and
-``warpgroup_mma_wait(num_outstanding=...)``, so the overlap can be written out:
+H200. Triton 3.6 waits for each wgmma right after issuing it whenever its result is used in the
+same iteration, so the softmax (MUFU and ALU work) never overlaps the tensor cores (analysis in
+docs/benchmarks.md, session 10). Gluon exposes ``warpgroup_mma(is_async=True)`` and
+``warpgroup_mma_wait(num_outstanding=...)``, so the overlap can be written out. Per key tile j:
 
-    loop top: S_j = Q K_j^T is complete, P_{j-1} V_{j-1} may still run
+    loop top: S_j = Q K_j^T is complete
     1. issue S_{j+1} = Q K_{j+1}^T                       (tensor cores)
     2. softmax of S_j -> P_j, row rescale alpha_j         (CUDA cores, while 1 runs)
-    3. wait until at most 1 wgmma group is in flight      (P_{j-1} V_{j-1} done; S_{j+1} may run)
-    4. refill the ring stage that tile j - 1 used (TMA)
+    3. wait for P_{j-1} V_{j-1} (S_{j+1} may still run)
+    4. CTA barrier, then refill the ring stage that tile j - 1 used (TMA)
     5. acc = alpha_j * acc; issue acc += P_j V_j          (tensor cores)
-    6. wait until at most 1 group is in flight            (S_{j+1} done; P_j V_j may run into j + 1)
+    6. wait for S_{j+1} and P_j V_j
 
-With step 6 as written (``PV_OVERLAP=True``) both wgmmas of an iteration overlap a softmax, but
-ptxas 12.8 (Triton 3.6) then reports C7514 and serialises every wgmma. The loop-carried scores are
-copied out of the accumulator registers of S_{j+1} while P_j V_j is still in flight, and ptxas does
-not see that wait_group 1 retired S_{j+1}. The default (``PV_OVERLAP=False``) waits for both at
-step 6. S_{j+1} still overlaps the softmax of S_j, and ptxas keeps the wgmmas asynchronous (local
-compile). Register-disjoint ping-pong buffers for S (the loop unrolled by two) may lift this. K and V tiles arrive by TMA through a
-STAGES-deep ring of shared-memory buffers, one mbarrier each (STAGES >= 3: the stage refilled in
-iteration j is tile j - 1's, and tile j + 1 must already be on its way). P goes from the S accumulator to
-the A operand of P V in registers. Two warpgroups (8 warps) own 64 rows each of a 128-row block.
+Letting P_j V_j run on into the next softmax (wait for S_{j+1} only at step 6: ``PV_OVERLAP``) makes
+ptxas 12.8 (Triton 3.6) report C7514 and serialise every wgmma. The rescaled accumulator is copied
+at the loop's back edge while its wgmma is in flight, even with the loop unrolled by two (local
+compile). So it is off. K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory
+buffers, one mbarrier each. STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile
+j + 1 must already be on its way. P goes from the S accumulator to the A operand of P V in
+registers. Two warpgroups (8 warps) own 64 rows each of a 128-row block.
 
 Status (2026-12-03, session 11): written and compiled for sm_90a on a machine without a GPU
-(``scripts/compile_sm90.py gluon``), never run. The GPU test
-``tests/ops/test_attention_gluon.py`` checks it against the float64 oracle; it must pass before
-anything routes here. Scope: bf16/fp16, [B, H, L, D] inputs (copied if not contiguous), D_v 64, 128 or 256,
-D_qk a power of two or a sum of two (192 = 128 + 64: two TMA blocks, two chained wgmmas), any M and N, causal bottom-right or not, GQA. Everything else stays on the Triton kernel.
+(``scripts/compile_sm90.py gluon``). It has never run. The GPU test ``tests/ops/test_attention_gluon.py``
+checks it against the float64 oracle, and it must pass before anything routes here.
+
+Scope:
+- bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
+- D_v of 64, 128 or 256.
+- D_qk a power of two, or the sum of two: 192 = 128 + 64 takes two TMA blocks and two chained wgmmas.
+- Any M and N, causal bottom-right or not, GQA.
+Everything else stays on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -199,13 +202,13 @@ if AVAILABLE:
             if PV_OVERLAP:
                 for jj in range(0, n_steady // 2):
                     s, acc, m_i, l_i = _steady_step(
-                        2 * jj, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
-                        kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
-                        CAUSAL, True, D_QK0, SPLIT)
+                        2 * jj, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
+                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
+                        STAGES, CAUSAL, True, D_QK0, SPLIT)
                     s, acc, m_i, l_i = _steady_step(
-                        2 * jj + 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
-                        kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
-                        CAUSAL, True, D_QK0, SPLIT)
+                        2 * jj + 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
+                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
+                        STAGES, CAUSAL, True, D_QK0, SPLIT)
                 if n_steady % 2 == 1:
                     s, acc, m_i, l_i = _steady_step(
                         n_steady - 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
