@@ -147,8 +147,10 @@ def bench_gluon(out=None):
         flops = 2 * b * hq * n * n * (dqk + dv) / 2
         ref = _sdpa(q, k, v, scale)
         t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
-        for name, kw in [("bn64 s3", {}), ("bn128 s3", dict(block_n=128, stages=3)),
-                         ("bn64 s4", dict(stages=4)), ("bn64 s3 pv_overlap", dict(pv_overlap=True))]:
+        for name, kw in [("overlap bn64 s4 (default)", {}), ("overlap bn64 s3", dict(stages=3)),
+                         ("overlap bn128 s3", dict(block_n=128, stages=3)),
+                         ("plain bn64 s3", dict(pv_overlap=False, stages=3)),
+                         ("plain bn128 s3", dict(pv_overlap=False, block_n=128, stages=3))]:
             try:
                 o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
                 err = (o.float() - ref.float()).abs().max().item()

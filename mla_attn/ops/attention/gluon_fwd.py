@@ -14,10 +14,15 @@ docs/benchmarks.md, session 10). Gluon exposes ``warpgroup_mma(is_async=True)`` 
     5. acc = alpha_j * acc; issue acc += P_j V_j          (tensor cores)
     6. wait for S_{j+1} and P_j V_j
 
-Letting P_j V_j run on into the next softmax (wait for S_{j+1} only at step 6: ``PV_OVERLAP``) makes
-ptxas 12.8 (Triton 3.6) report C7514 and serialise every wgmma. The rescaled accumulator is copied
-at the loop's back edge while its wgmma is in flight, even with the loop unrolled by two (local
-compile). So it is off. K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory
+That is the plain schedule (``PV_OVERLAP=False``): P_j V_j overlaps nothing. Letting it run on into
+the next softmax by waiting only for S_{j+1} at step 6 made ptxas 12.8 (Triton 3.6) report C7514 and
+serialise every wgmma. The rescaled accumulator is copied at the loop's back edge while its wgmma
+is still in flight, even with the loop unrolled by two. ``PV_OVERLAP=True`` (the default for
+Dv <= 128) reorders instead, so that nothing is in flight at the back edge. Step j issues P_j V_j
+(P_j and alpha_j come from step j - 1), refills, and issues S_{j+2}. It then runs the softmax of
+S_{j+1} under both wgmmas and waits for both. Local compile: no C7514, 170 registers at d 128 with
+4 stages. At Dv = 256 the accumulator leaves too few registers (C7512, spills), so that size keeps
+the plain schedule. K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory
 buffers, one mbarrier each. STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile
 j + 1 must already be on its way. P goes from the S accumulator to the A operand of P V in
 registers. Two warpgroups (8 warps) own 64 rows each of a 128-row block.
@@ -125,6 +130,35 @@ if AVAILABLE:
         return s, acc, m_i, l_i
 
     @gluon.jit
+    def _overlap_step(j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc,
+                      k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
+                      row_o: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, ISSUE_NEXT: gl.constexpr,
+                      LAST_MASK: gl.constexpr):
+        """PV_OVERLAP schedule, key tile j. In: P_j (dot operand) and alpha_j; s = S_{j+1}, complete.
+        Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1} under both
+        wgmmas, then wait for both: nothing is in flight across the loop's back edge."""
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        # P_{j-1} V_{j-1} finished in step j - 1 in both warpgroups once all threads pass here, so tile
+        # j - 1's stage can be refilled.
+        gl.thread_barrier()
+        _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
+                 STAGES, D_QK0, SPLIT)
+        if ISSUE_NEXT:
+            nxt = (j + 2) % STAGES
+            mbarrier.wait(bars.index(nxt), ((j + 2) // STAGES) & 1)
+            s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, (j + 1) * BLOCK_N, qk_scale, CAUSAL,
+                                           CAUSAL or LAST_MASK)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if ISSUE_NEXT:
+            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return p_op, alpha, s, acc, m_i, l_i
+
+    @gluon.jit
     def _flash_fwd_gluon(
         q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
         qk_scale, M, N, H, HK,
@@ -200,35 +234,41 @@ if AVAILABLE:
             # two register sets and no copy of an in-flight accumulator is needed at the back edge.
             n_steady = n_tiles - 1
             if PV_OVERLAP:
-                for jj in range(0, n_steady // 2):
-                    s, acc, m_i, l_i = _steady_step(
-                        2 * jj, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
-                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
-                        STAGES, CAUSAL, True, D_QK0, SPLIT)
-                    s, acc, m_i, l_i = _steady_step(
-                        2 * jj + 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
-                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
-                        STAGES, CAUSAL, True, D_QK0, SPLIT)
-                if n_steady % 2 == 1:
-                    s, acc, m_i, l_i = _steady_step(
-                        n_steady - 1, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
-                        v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N,
-                        STAGES, CAUSAL, True, D_QK0, SPLIT)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if n_tiles > 1:
+                    mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
+                    s = warpgroup_mma_wait(
+                        num_outstanding=0, deps=(_qk(q_smem, q1_smem, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
+                    for j in range(0, n_tiles - 2):
+                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                    p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                        n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                        bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True)
+                # P V of the last tile.
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             else:
                 for j in range(0, n_steady):
                     s, acc, m_i, l_i = _steady_step(
                         j, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
                         kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
                         CAUSAL, False, D_QK0, SPLIT)
-            # Last tile: nothing left to prefetch or to overlap.
-            j_last = n_tiles - 1
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j_last * BLOCK_N, qk_scale,
-                                               CAUSAL, True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(j_last % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                # Last tile: nothing left to prefetch or to overlap.
+                j_last = n_tiles - 1
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j_last * BLOCK_N, qk_scale,
+                                                   CAUSAL, True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_smem.index(j_last % STAGES), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
@@ -269,7 +309,7 @@ def _split_head_dim(d: int):
 
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
-                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool = False):
+                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
 
     Experimental: see the module docstring. Causal is aligned to the bottom right (query i sees keys
@@ -282,7 +322,10 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
     if max(d_qk, d_v) > 128 and block_n == 64:  # shared memory: Q + stages x (K + V) within 227 KB
         block_n = 32
-    stages = 3 if stages is None else stages
+    if pv_overlap is None:  # at Dv = 256 the overlap needs more registers than there are (ptxas C7512, spills)
+        pv_overlap = d_v <= 128
+    if stages is None:  # the overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead
+        stages = 4 if pv_overlap else 3
     if stages < 3:
         # Iteration j refills the stage of tile j - 1 with tile j + stages - 1 and waits for tile j + 1
         # first: with two stages those are the same tile.
