@@ -134,7 +134,7 @@ if AVAILABLE:
                       k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
                       row_o: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, ISSUE_NEXT: gl.constexpr,
-                      LAST_MASK: gl.constexpr):
+                      MASK: gl.constexpr):
         """PV_OVERLAP schedule, key tile j. In: P_j (dot operand) and alpha_j; s = S_{j+1}, complete.
         Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1} under both
         wgmmas, then wait for both: nothing is in flight across the loop's back edge."""
@@ -149,8 +149,7 @@ if AVAILABLE:
             nxt = (j + 2) % STAGES
             mbarrier.wait(bars.index(nxt), ((j + 2) // STAGES) & 1)
             s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, (j + 1) * BLOCK_N, qk_scale, CAUSAL,
-                                           CAUSAL or LAST_MASK)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, (j + 1) * BLOCK_N, qk_scale, CAUSAL, MASK)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         if ISSUE_NEXT:
             acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
@@ -241,11 +240,22 @@ if AVAILABLE:
                     mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
                     s = warpgroup_mma_wait(
                         num_outstanding=0, deps=(_qk(q_smem, q1_smem, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
-                    for j in range(0, n_tiles - 2):
+                    # Tiles below n_full are visible to every row of the block: no mask (the mask is
+                    # about a third of the softmax's ALU work). Step j runs the softmax of tile j + 1.
+                    n_full = n_tiles
+                    if CAUSAL:
+                        n_full = gl.minimum(n_tiles, gl.maximum(pid_m * BLOCK_M + (N - M) + 1, 0) // BLOCK_N)
+                    j_split = gl.maximum(gl.minimum(n_tiles - 2, n_full - 1), 0)
+                    for j in range(0, j_split):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                             row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                    for j in range(j_split, n_tiles - 2):
+                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL)
                     p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
