@@ -166,6 +166,8 @@ if AVAILABLE:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest row blocks first, so the last wave is made of short ones
+            pid_m = gl.num_programs(0) - 1 - pid_m
         pid_bh = gl.program_id(1)
         i_b = pid_bh // H
         i_h = pid_bh % H
