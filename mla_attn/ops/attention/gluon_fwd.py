@@ -165,12 +165,13 @@ if AVAILABLE:
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # Grid (B * H, row blocks): launch order runs over all heads of one row block before the next
-        # block; causal takes the longest (last) row blocks first, so the last wave is made of short ones.
-        pid_bh = gl.program_id(0)
-        pid_m = gl.program_id(1)
+        # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
+        # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
+        # head's longest (last) row blocks first.
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
         if CAUSAL:
-            pid_m = gl.num_programs(1) - 1 - pid_m
+            pid_m = gl.num_programs(0) - 1 - pid_m
         i_b = pid_bh // H
         i_h = pid_bh % H
         i_hk = i_h // (H // HK)
@@ -359,7 +360,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
-    grid = (b * h, (m + block_m - 1) // block_m)
+    grid = ((m + block_m - 1) // block_m, b * h)
     _flash_fwd_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
