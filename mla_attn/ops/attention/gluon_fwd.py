@@ -20,7 +20,7 @@ serialise every wgmma. The rescaled accumulator is copied at the loop's back edg
 is still in flight, even with the loop unrolled by two. ``PV_OVERLAP=True`` (the default for
 Dv <= 128) reorders instead, so that nothing is in flight at the back edge. Step j issues P_j V_j
 (P_j and alpha_j come from step j - 1), refills, and issues S_{j+2}. It then runs the softmax of
-S_{j+1} under both wgmmas and waits for both. Local compile: no C7514, 170 registers at d 128 with
+S_{j+1} under both wgmmas and waits for both. Local compile: no C7514, 184 registers at d 128 with
 4 stages. At Dv = 256 the accumulator leaves too few registers (C7512, spills), so that size keeps
 the plain schedule. K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory
 buffers, one mbarrier each. STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile
