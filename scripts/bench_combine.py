@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode's graph capture
 
 SHAPES = {  # name: (K, R, Dv)
     "mla B1 H128 (63 parts)": (63, 128, 512),
@@ -25,16 +29,11 @@ SHAPES = {  # name: (K, R, Dv)
 
 
 def _hot_us(fn, n=20, reps=10):
-    """Per-call time of n calls back to back, replayed from one CUDA graph (no host launch cost)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
+    """Per-call time of n calls back to back, replayed from one CUDA graph (no host launch cost, and no
+    L2 flush between calls, unlike do_bench)."""
+    from bench_decode import capture_graph
+
+    g = capture_graph(lambda: [fn() for _ in range(n)])
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,7 +87,7 @@ def main():
                 def fn(o_p=o_p, l_p=l_p, o=o, lse=lse, br=br, bd=bd, c=c, w=w):
                     combine._combine_kernel[(cdiv(r, br), cdiv(dv, bd))](
                         o_p, l_p, o, lse, k, r, *o_p.stride(), *l_p.stride(), *o.stride(), *lse.stride(),
-                        DV=dv, BLOCK_R=br, BLOCK_DV=bd, CHUNK=c, PDL=False, num_warps=w)
+                        DV=dv, BLOCK_R=br, BLOCK_DV=bd, CHUNK=c, num_warps=w)
 
                 try:
                     fn()

@@ -57,19 +57,22 @@ def _bench_graph(fn):
         return None
 
 
+def bench_steps(fns):
+    """Median time per step of the steps ``fns`` captured in one CUDA graph, in seconds."""
+    return _bench(capture_graph(lambda: [f() for f in fns]).replay) / len(fns)
+
+
 def _bench_layers(make, n):
     """Per-step time of n decode steps captured in one CUDA graph, each over its own copy of the cache
     (``make()`` clones one and returns the step), as the attention steps of n layers in a model's
     captured decode step: kernel time plus in-graph gaps, the graph's launch shared by n steps, and
     no step finding the previous step's cache in L2. None if it fails."""
     try:
-        fns = [make() for _ in range(n)]
-        return _bench(capture_graph(lambda: [f() for f in fns]).replay) / n
+        return bench_steps([make() for _ in range(n)])
     except Exception as e:  # out of memory, a failed capture: report, do not abort the table
         print(f"layered graph failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
     finally:
-        fns = None
         torch.cuda.empty_cache()
 
 

@@ -74,7 +74,6 @@ def main():
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
-    ap.add_argument("--pdl", action="store_true", help="decode: PDL on (triggers the combine's launch)")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
@@ -89,7 +88,7 @@ def main():
                 "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32"}
         const = dict(S=1, D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512, BLOCK_H=a, BLOCK_N=b,
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged, HAS_K2=True,
-                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain, PDL=args.pdl,
+                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon":  # the experimental Gluon forward (mla_attn/ops/attention/gluon_fwd.py)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode import DC, DR, _bench_graph, _paged_from_contiguous, _varlen  # noqa: E402
+from bench_decode import DC, DR, _bench_graph, _paged_from_contiguous, _varlen, bench_steps  # noqa: E402
 
 
 def _kernel_us(fn, calls=20):
@@ -41,17 +41,6 @@ def _kernel_us(fn, calls=20):
 
 
 LAYERS = 8  # steps per graph in the "graph x8" column, each over its own cache (as a model's layers)
-
-
-def _graph_layers_us(fns):
-    """Per-step time of len(fns) steps captured in one CUDA graph, each over its own cache (so L2
-    holds none of the next step's cache): kernel time plus in-graph gaps, graph launch amortised."""
-    from triton.testing import do_bench
-
-    from bench_decode import capture_graph
-
-    g = capture_graph(lambda: [f() for f in fns])
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3 / len(fns)
 
 
 def _cases(gen, only=None):
@@ -123,7 +112,7 @@ def main():
                 err = (out - ref).abs().max().item()
                 tg = _bench_graph(fn)
                 ks = _kernel_us(fn)
-                tl8 = _graph_layers_us([make(i) for i in range(LAYERS)]) * 1e-6
+                tl8 = bench_steps([make(i) for i in range(LAYERS)])
             except Exception as e:  # report, go on
                 say(f"{vname:22s} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -149,7 +138,7 @@ def main():
                 try:
                     f0 = make(0, ns, cfg)
                     kt = _kernel_us(f0)
-                    tl8 = _graph_layers_us([make(i, ns, cfg) for i in range(LAYERS)]) * 1e-6
+                    tl8 = bench_steps([make(i, ns, cfg) for i in range(LAYERS)])
                 except Exception as e:
                     say(f"{label}: failed: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -161,7 +150,7 @@ def main():
             kv = [(torch.randn(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16),
                    torch.randn(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYERS)]
             sd = [lambda kk=kk, vv=vv: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True) for kk, vv in kv]
-            tl8 = _graph_layers_us(sd) * 1e-6
+            tl8 = bench_steps(sd)
             say(f"{'sdpa':40s} graph x{LAYERS} per step {tl8 * 1e6:.1f} us {nbytes / tl8 / 1e9:.0f} GB/s | "
                 f"kernels(us): {', '.join(f'{k}={v:.1f}' for k, v in _kernel_us(sd[0]).items())}")
             del kv, sd

@@ -28,7 +28,6 @@ def _combine_kernel(
     stride_or, stride_od,
     stride_lr,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent of the decode kernel: wait for its writes
     # BALANCED: the parts come from the decode kernel's balanced workers (triton_decode.py): part
     # slots are b + w for the workers w that took tiles of sequence b, recomputed here from the lengths.
     SEQ_LENS=None, batch=1, rows_per_seq=1, tile_n=1,
@@ -40,11 +39,6 @@ def _combine_kernel(
     # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on
     # the H200 and on an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens)
     # from a serial chain.
-    if PDL:
-        # Launched early (programmatic dependent launch) while the decode kernel still runs; this
-        # waits until that grid has finished and its partials are visible. Index math above the
-        # first load is all that overlaps, and the launch itself.
-        tl.extra.cuda.gdc_wait()
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
     o_c = tl.arange(0, CHUNK)
@@ -149,9 +143,8 @@ def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGE
     return block_r, block_dv, chunk, warps
 
 
-def _launch(o_parts3, lse_parts2, o2, lse1, pdl: bool = False):
-    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R]. ``pdl``: launch as a
-    programmatic dependent of the kernel just queued (CUDA, sm_90+; that kernel triggers it)."""
+def _launch(o_parts3, lse_parts2, o2, lse1):
+    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R]."""
     k, r, dv = o_parts3.shape
     if r == 0:
         return
@@ -160,26 +153,24 @@ def _launch(o_parts3, lse_parts2, o2, lse1, pdl: bool = False):
         block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS, _STEP_ELEMENTS, _MAX_CHUNK)
     else:
         block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, 0)
-    extra = {"launch_pdl": True} if pdl else {}
     _combine_kernel[(cdiv(r, block_r), cdiv(dv, block_dv))](
         o_parts3, lse_parts2, o2, lse1, k, r,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk, PDL=pdl,
+        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
         SEQ_LENS=lse1, batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused when not BALANCED
-        num_warps=warps, **extra,
+        num_warps=warps,
     )
 
 
-def combine_splits(o_part, lse_part, o, lse, pdl: bool = False) -> None:
+def combine_splits(o_part, lse_part, o, lse) -> None:
     """Merge the decode kernel's partials: o_part [K, B, H, S, Dv] fp32, lse_part [K, B, H, S] into
-    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous). ``pdl``: the
-    decode kernel was launched with PDL=True just before (it triggers this launch early)."""
+    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous)."""
     k, dv = o_part.shape[0], o_part.shape[-1]
     rows = o.numel() // dv
     # (B, H, S) collapse to one row index in either partial layout (split outermost or innermost).
     o3 = o_part.as_strided((k, rows, dv), (o_part.stride(0), o_part.stride(-2), o_part.stride(-1)))
     l2 = lse_part.as_strided((k, rows), (lse_part.stride(0), lse_part.stride(-1)))
-    _launch(o3, l2, o.view(-1, dv), lse.view(-1), pdl)
+    _launch(o3, l2, o.view(-1, dv), lse.view(-1))
 
 
 def combine_balanced(o_part, lse_part, o, lse, seq_lens, num_workers: int, tile_n: int) -> None:
@@ -198,7 +189,7 @@ def combine_balanced(o_part, lse_part, o, lse, seq_lens, num_workers: int, tile_
     _combine_kernel[(b * cdiv(rows_per_seq, block_r), cdiv(dv, block_dv))](
         o3, l2, o2, lse1, num_workers, b * rows_per_seq,
         *o3.stride(), *l2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk, PDL=False,
+        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
         SEQ_LENS=seq_lens, batch=b, rows_per_seq=rows_per_seq, tile_n=tile_n,
         BALANCED=True, MAX_B=next_pow2(b),
         num_warps=warps,

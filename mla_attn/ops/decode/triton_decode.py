@@ -225,17 +225,11 @@ def _decode_kernel(
     V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
-    PDL: tl.constexpr,  # the split combine follows as a programmatic dependent launch: let it launch now
     BALANCED: tl.constexpr,  # axis 1 = workers sharing the batch's key tiles equally (README.md here)
     MAX_B: tl.constexpr,  # BALANCED: a power of two >= batch
 ):
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent; BALANCED: b = 0
     pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
-    if PDL:
-        # Once every program has started, the combine kernel may be launched and wait on-device
-        # (griddepcontrol.wait) instead of after this grid drains; it takes no slot a program of this
-        # grid still needs, since all of them are resident by then.
-        tl.extra.cuda.gdc_launch_dependents()
     i_t = pid_row % NUM_HEAD_TILES
     i_bk = pid_row // NUM_HEAD_TILES
     i_kvh = i_bk % num_kv_heads
@@ -304,28 +298,10 @@ class DecodeConfig:
 
 
 _NUM_SMS: dict[int, int] = {}
-_PDL_OK: dict[int, bool] = {}
-# Programmatic dependent launch of the split combine: None = where supported (sm_90+, a Triton with
-# griddepcontrol), False = never. Off: on the H200 (2026-12-03, scripts/profile_decode.py, per step in
-# an 8-step graph) it gained at most 1% (MLA B=64 H=16, B=16 H=128), nothing on GQA B=1, and cost 18%
-# on MLA B=1 H=128 (52.6 -> 62.0 us), where the early combine programs take SM slots.
-USE_PDL: bool | None = False
 # Balanced split (BALANCED in the kernel): when num_splits is None, the programs along axis 1 share the
 # batch's key tiles equally, crossing sequence boundaries, instead of each taking 1/num_splits of one
 # sequence. True / False force it; None = the measured rule in _use_balanced.
 BALANCE: bool | None = None
-
-
-def _pdl(device: torch.device) -> bool:
-    if device.type != "cuda" or USE_PDL is False:
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _PDL_OK:
-        import triton.language.extra.cuda as tlc
-
-        _PDL_OK[idx] = (torch.cuda.get_device_capability(idx)[0] >= 9 and hasattr(tlc, "gdc_wait")
-                        and hasattr(tlc, "gdc_launch_dependents"))
-    return _PDL_OK[idx]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -499,7 +475,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
     grid = ((1 if balanced else b) * num_kv_heads * head_tiles, num_splits)
-    pdl = num_splits > 1 and not balanced and _pdl(device)
 
     def run(c: DecodeConfig):
         block_n = _tile_keys(c.block_n, paged, page_size)
@@ -518,7 +493,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             HAS_K2=q2 is not None, V_IS_K1=v is None,
             IEEE=q1.dtype == torch.float32,
             UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
-            PDL=pdl, BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
+            BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -540,7 +515,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if balanced:
         combine_balanced(o_part, lse_part, o, lse, seq_lens, num_splits, tile_n)
     elif num_splits > 1:
-        combine_splits(o_part, lse_part, o, lse, pdl)
+        combine_splits(o_part, lse_part, o, lse)
     return o, lse
 
 
