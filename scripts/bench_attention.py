@@ -147,10 +147,14 @@ def bench_gluon(out=None):
         flops = 2 * b * hq * n * n * (dqk + dv) / 2
         ref = _sdpa(q, k, v, scale)
         t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
-        for name, kw in [("overlap bn64 s4 (default)", {}), ("overlap bn64 s3", dict(stages=3)),
-                         ("overlap bn128 s3", dict(block_n=128, stages=3)),
-                         ("plain bn64 s3", dict(pv_overlap=False, stages=3)),
-                         ("plain bn128 s3", dict(pv_overlap=False, block_n=128, stages=3))]:
+        if max(dqk, dv) <= 128:  # shared memory: Q 32 KB + stages x (K + V), 32 KB a stage at 64 keys
+            variants = [("overlap bn64 s4 (default)", {}), ("overlap bn64 s5", dict(stages=5)),
+                        ("overlap bn64 s6", dict(stages=6)), ("overlap bn128 s3", dict(block_n=128, stages=3)),
+                        ("plain bn64 s5", dict(pv_overlap=False, stages=5))]
+        else:  # Q 48 KB + 40 KB a stage at 64 keys (192/128)
+            variants = [("overlap bn32 s4 (default)", {}), ("overlap bn64 s4", dict(block_n=64, stages=4)),
+                        ("overlap bn32 s6", dict(stages=6)), ("overlap bn32 s8", dict(stages=8))]
+        for name, kw in variants:
             try:
                 o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
                 err = (o.float() - ref.float()).abs().max().item()

@@ -323,7 +323,7 @@ def _split_head_dim(d: int):
     return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
 
 
-def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
+def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
 
@@ -335,8 +335,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                          f"v {tuple(v.shape)} on {q.device}")
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
-    if max(d_qk, d_v) > 128 and block_n == 64:  # shared memory: Q + stages x (K + V) within 227 KB
-        block_n = 32
+    if block_n is None:  # shared memory: Q + stages x (K + V) within 227 KB
+        block_n = 64 if max(d_qk, d_v) <= 128 else 32
     if pv_overlap is None:  # at Dv = 256 the overlap needs more registers than there are (ptxas C7512, spills)
         pv_overlap = d_v <= 128
     if stages is None:  # the overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead
