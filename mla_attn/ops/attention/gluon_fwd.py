@@ -59,18 +59,18 @@ if AVAILABLE:
     @gluon.jit
     def _softmax_step(s, m_i, l_i, o_m, o_n, M, N, n0, qk_scale,
                       CAUSAL: gl.constexpr, MASK: gl.constexpr):
-        """Scores s [BLOCK_M, BLOCK_N] of key tile n0 -> (p, alpha, m_new, l_new), base 2."""
-        s = s * qk_scale
+        """Scores s [BLOCK_M, BLOCK_N] of key tile n0 -> (p, alpha, m_new, l_new), base 2. The scale is
+        applied to the row max and inside p's exponent (one FFMA an element), not to s first."""
         if MASK:
             cols = n0 + o_n
             vis = (cols < N)[None, :]
             if CAUSAL:
                 vis = vis & (cols[None, :] <= (o_m + (N - M))[:, None])
             s = gl.where(vis, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # qk_scale > 0
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
         l_new = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_new
 
@@ -135,10 +135,11 @@ if AVAILABLE:
                       row_o: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, ISSUE_NEXT: gl.constexpr,
                       MASK: gl.constexpr):
-        """PV_OVERLAP schedule, key tile j. In: P_j (dot operand) and alpha_j; s = S_{j+1}, complete.
-        Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1} under both
-        wgmmas, then wait for both: nothing is in flight across the loop's back edge."""
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        """PV_OVERLAP schedule, key tile j. In: P_j (dot operand); acc already rescaled by alpha_j; s =
+        S_{j+1}, complete. Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1}
+        under both wgmmas. Then wait for P_j V_j alone and rescale acc by alpha_{j+1} and convert P_{j+1}
+        while S_{j+2} still runs (the A registers of P_j V_j and acc are free only once it is done), and
+        wait for S_{j+2}: nothing is in flight across the loop's back edge."""
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
         # P_{j-1} V_{j-1} finished in step j - 1 in both warpgroups once all threads pass here, so tile
         # j - 1's stage can be refilled.
@@ -150,11 +151,15 @@ if AVAILABLE:
             mbarrier.wait(bars.index(nxt), ((j + 2) // STAGES) & 1)
             s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, (j + 1) * BLOCK_N, qk_scale, CAUSAL, MASK)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_lo = p.to(dtype)
         if ISSUE_NEXT:
-            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
+            acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p_lo, p_layout)
+        if ISSUE_NEXT:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
         return p_op, alpha, s, acc, m_i, l_i
 
     @gluon.jit
@@ -251,11 +256,22 @@ if AVAILABLE:
                     if CAUSAL:
                         n_full = gl.minimum(n_tiles, gl.maximum(pid_m * BLOCK_M + (N - M) + 1, 0) // BLOCK_N)
                     j_split = gl.maximum(gl.minimum(n_tiles - 2, n_full - 1), 0)
-                    for j in range(0, j_split):
+                    # Unrolled by two: the scores of consecutive tiles then live in two register sets,
+                    # so the finished S_{j+2} is not copied into S_{j+1}'s registers at the back edge.
+                    for j in range(0, j_split - 1, 2):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                             row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            j + 1, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                    if j_split % 2 == 1:
+                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                            bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero,
+                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
                     for j in range(j_split, n_tiles - 2):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
@@ -265,8 +281,7 @@ if AVAILABLE:
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                         row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True)
-                # P V of the last tile.
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                # P V of the last tile (acc already rescaled by its alpha).
                 acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             else:
@@ -336,7 +351,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
     if block_n is None:  # shared memory: Q + stages x (K + V) within 227 KB
-        block_n = 64 if max(d_qk, d_v) <= 128 else 32
+        block_n = 64 if max(d_qk, d_v) <= 192 else 32  # 192/128: Q 48 KB + 4 x 40 KB
     if pv_overlap is None:  # at Dv = 256 the overlap needs more registers than there are (ptxas C7512, spills)
         pv_overlap = d_v <= 128
     if stages is None:  # the overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead
