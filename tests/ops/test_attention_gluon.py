@@ -65,3 +65,56 @@ def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap):
     dead = torch.isneginf(lse_ref)
     if dead.any():  # rows that see no key: exact zeros
         assert torch.equal(o[dead].float(), torch.zeros_like(o[dead].float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+def test_gluon_forward_edge_inputs():
+    """No keys (N = 0), no rows (M = 0), and inputs whose storage starts off a 16-byte boundary (TMA)."""
+    q = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.bfloat16)
+    empty = torch.empty(1, 2, 0, 64, device="cuda", dtype=torch.bfloat16)
+    o, lse = gluon_fwd.flash_fwd_gluon(q, empty, empty, causal=False, scale=0.125)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    o, lse = gluon_fwd.flash_fwd_gluon(q[:, :, :0], q, q, causal=True, scale=0.125)
+    assert o.shape == (1, 2, 0, 64) and lse.shape == (1, 2, 0)
+    # Views one element into a flat buffer: contiguous, but their data pointers are 2 bytes off.
+    flat = torch.randn(3 * 2 * 200 * 128 + 1, device="cuda").to(torch.bfloat16)
+    q, k, v = (flat[1 + i * 51200: 1 + (i + 1) * 51200].view(1, 2, 200, 128) for i in range(3))
+    assert q.data_ptr() % 16 != 0 and q.is_contiguous()
+    o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=128 ** -0.5)
+    o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=True, scale=128 ** -0.5)
+    assert_close(o, o_ref, floor=dtype_floor(torch.bfloat16),
+                 baseline=_torch_same_dtype(q, k, v, True, 128 ** -0.5), name="o")
+    assert_lse_close(lse, lse_ref, atol=LSE_ATOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+def test_public_op_routes_the_forward_to_gluon(monkeypatch):
+    """On Hopper bf16 the public op's forward is the Gluon kernel (unless MLA_ATTN_GLUON=0), and its LSE
+    drives the Triton backward to the same gradients as the Triton forward's."""
+    import mla_attn
+    from mla_attn.ops.attention import function
+
+    calls = []
+    real = gluon_fwd.flash_fwd_gluon
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gluon_fwd, "flash_fwd_gluon", counting)
+    q = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for on in (True, False):
+        monkeypatch.setattr(function, "GLUON_FORWARD", on)
+        n0 = len(calls)
+        o = mla_attn.ops.attention(q, k, v, causal=True, impl="triton")
+        assert len(calls) - n0 == (1 if on else 0)
+        grads[on] = (o.detach(),) + torch.autograd.grad(o, (q, k, v), do)
+    for a, b in zip(grads[True], grads[False]):  # two bf16 kernels: differences at bf16 rounding
+        assert torch.isfinite(a).all()
+        assert (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max() + 1e-2

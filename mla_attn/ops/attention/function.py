@@ -8,6 +8,8 @@ implementations for tracing) -> ``FlashAttnFunction`` (autograd) -> ``flash_atte
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -20,8 +22,25 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# The Gluon forward (gluon_fwd.py: Hopper, bf16/fp16, head dims it supports) replaces the Triton one
+# where it applies; MLA_ATTN_GLUON=0 in the environment keeps the Triton forward everywhere.
+GLUON_FORWARD = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
+
+
+def _gluon_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    if not (GLUON_FORWARD and q.is_cuda):
+        return False
+    from . import gluon_fwd
+
+    return gluon_fwd.supported(q, k, v)
+
+
 @torch.library.custom_op("mla_attn::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if _gluon_takes(q, k, v):
+        from .gluon_fwd import flash_fwd_gluon
+
+        return flash_fwd_gluon(q, k, v, causal=causal, scale=scale)
     return flash_attn_fwd(_unit_last(q), _unit_last(k), _unit_last(v), causal, scale)
 
 

@@ -326,6 +326,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and _split_head_dim(d_qk) is not None and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous with a 16-byte aligned start (TMA descriptors need both); copies only if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _split_head_dim(d: int):
     """(d0, d1) with d = d0 + d1, d0 a power of two >= 16, d1 0 or a power of two >= 16 (TMA block shapes
     are powers of two: 192 = 128 + 64), d <= 256; None if there is no such split."""
@@ -360,13 +366,15 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         # Iteration j refills the stage of tile j - 1 with tile j + stages - 1 and waits for tile j + 1
         # first: with two stages those are the same tile.
         raise ValueError(f"flash_fwd_gluon: stages must be >= 3, got {stages}")
-    o = torch.empty(b, h, m, d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h, m, dtype=torch.float32, device=q.device)
-    if o.numel() == 0:
-        return o, lse.fill_(float("-inf"))
-    q2 = q.contiguous().view(b * h * m, d_qk)
-    k2 = k.contiguous().view(b * hk * n, d_qk)
-    v2 = v.contiguous().view(b * hk * n, d_v)
+    from . import triton_fwd  # its _alloc: the tests poison every launcher's buffers through it
+
+    o = triton_fwd._alloc((b, h, m, d_v), q.device, q.dtype)
+    lse = triton_fwd._alloc((b, h, m), q.device, torch.float32)
+    if o.numel() == 0 or n == 0:  # no rows, or no keys: every row is empty (o = 0, lse = -inf)
+        return o.zero_(), lse.fill_(float("-inf"))
+    q2 = _tma_ready(q).view(b * h * m, d_qk)
+    k2 = _tma_ready(k).view(b * hk * n, d_qk)
+    v2 = _tma_ready(v).view(b * hk * n, d_v)
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
 
