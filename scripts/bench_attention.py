@@ -148,11 +148,12 @@ def bench_gluon(out=None):
         ref = _sdpa(q, k, v, scale)
         t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
         if max(dqk, dv) <= 128:  # shared memory: Q 32 KB + stages x (K + V), 32 KB a stage at 64 keys
-            variants = [("overlap bn64 s4 (default)", {}), ("overlap bn64 s3", dict(stages=3)),
-                        ("overlap bn64 s5", dict(stages=5)), ("overlap bn128 s3", dict(block_n=128, stages=3))]
+            variants = [("overlap bn64 s4 (default)", {}), ("overlap bn64 s4 Q in regs", dict(q_in_regs=True)),
+                        ("overlap bn64 s5 Q in regs", dict(q_in_regs=True, stages=5)),
+                        ("overlap bn64 s3", dict(stages=3))]
         else:  # Q 48 KB + 40 KB a stage at 64 keys (192/128)
-            variants = [("overlap bn64 s4 (default)", {}), ("overlap bn32 s4", dict(block_n=32, stages=4)),
-                        ("plain bn64 s3", dict(pv_overlap=False, stages=3))]
+            variants = [("overlap bn64 s4 (default)", {}), ("overlap bn64 s4 Q in regs", dict(q_in_regs=True)),
+                        ("overlap bn32 s4", dict(block_n=32, stages=4))]
         for name, kw in variants:
             try:
                 o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)

@@ -36,12 +36,14 @@ CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case, overlap", [(c, o) for c in CASES for o in (True, False) if not (o and c[6] > 128)],
-                         ids=lambda x: ("overlap" if x else "plain") if isinstance(x, bool) else
+@pytest.mark.parametrize("case, variant", [(c, o) for c in CASES for o in ("overlap", "plain", "overlap-qregs")
+                                             if not (o != "plain" and c[6] > 128)],
+                         ids=lambda x: x if isinstance(x, str) else
                          "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
-def test_gluon_forward_matches_oracle(case, overlap):
-    """bf16, both schedules (the overlapped one exists for Dv <= 128 only: registers)."""
-    _check(*case, torch.bfloat16, overlap)
+def test_gluon_forward_matches_oracle(case, variant):
+    """bf16, both schedules (the overlapped one exists for Dv <= 128 only: registers), Q read from shared
+    memory or held in registers."""
+    _check(*case, torch.bfloat16, variant != "plain", q_in_regs=variant.endswith("qregs"))
 
 
 @pytest.mark.gpu
@@ -51,12 +53,12 @@ def test_gluon_forward_fp16(case):
     _check(*case, torch.float16, True)
 
 
-def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap):
+def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
-    o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap)
+    o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

@@ -168,7 +168,8 @@ if AVAILABLE:
         qk_scale, M, N, H, HK,
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -233,9 +234,22 @@ if AVAILABLE:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
         mbarrier.wait(q_bar, 0)
+        # Q as the scores' A operand: from shared memory, or (Q_IN_REGS) loaded once into registers. A
+        # 64 x 64 x 16 wgmma with both operands in shared memory reads 4 KB in 32 cycles, the whole
+        # 128 B/cycle of shared memory; with A in registers it reads half that.
+        if Q_IN_REGS:
+            qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            q_op = q_smem.load(qa_layout)
+            if SPLIT:
+                q1_op = q1_smem.load(qa_layout)
+            else:
+                q1_op = q_op
+        else:
+            q_op = q_smem
+            q1_op = q1_smem
         if n_tiles > 0:
             mbarrier.wait(bars.index(0), 0)
-            s = _qk(q_smem, q1_smem, k_smem, k1_smem, 0, s_zero, SPLIT)
+            s = _qk(q_op, q1_op, k_smem, k1_smem, 0, s_zero, SPLIT)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             acc = warpgroup_mma_init(acc)  # loop-carried as a wgmma accumulator (it ends each iteration in flight)
             # Steady state: tiles 0 .. n_tiles - 2, each with the next score tile in flight. With
@@ -249,7 +263,7 @@ if AVAILABLE:
                 if n_tiles > 1:
                     mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
                     s = warpgroup_mma_wait(
-                        num_outstanding=0, deps=(_qk(q_smem, q1_smem, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
+                        num_outstanding=0, deps=(_qk(q_op, q1_op, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
                     # Tiles below n_full are visible to every row of the block: no mask (the mask is
                     # about a third of the softmax's ALU work). Step j runs the softmax of tile j + 1.
                     n_full = n_tiles
@@ -260,25 +274,25 @@ if AVAILABLE:
                     # so the finished S_{j+2} is not copied into S_{j+1}'s registers at the back edge.
                     for j in range(0, j_split - 1, 2):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
-                            j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                             row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
-                            j + 1, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            j + 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                             row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
                     if j_split % 2 == 1:
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
-                            j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                            j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                             bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero,
                             dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
                     for j in range(j_split, n_tiles - 2):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
-                            j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars,
+                            j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                             row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL)
                     p_op, alpha, s, acc, m_i, l_i = _overlap_step(
-                        n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                        n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                         row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True)
                 # P V of the last tile (acc already rescaled by its alpha).
@@ -287,7 +301,7 @@ if AVAILABLE:
             else:
                 for j in range(0, n_steady):
                     s, acc, m_i, l_i = _steady_step(
-                        j, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                        j, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
                         kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
                         CAUSAL, False, D_QK0, SPLIT)
                 # Last tile: nothing left to prefetch or to overlap.
@@ -345,7 +359,8 @@ def _split_head_dim(d: int):
 
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
-                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None):
+                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
+                    q_in_regs: bool = False):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
 
     Experimental: see the module docstring. Causal is aligned to the bottom right (query i sees keys
@@ -388,6 +403,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        PV_OVERLAP=pv_overlap, num_warps=num_warps,
+        PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, num_warps=num_warps,
     )
     return o, lse
