@@ -16,16 +16,22 @@ docs/benchmarks.md, session 10). Gluon exposes ``warpgroup_mma(is_async=True)`` 
 
 That is the plain schedule (``PV_OVERLAP=False``): P_j V_j overlaps nothing. Letting it run on into
 the next softmax by waiting only for S_{j+1} at step 6 made ptxas 12.8 (Triton 3.6) report C7514 and
-serialise every wgmma. The rescaled accumulator is copied at the loop's back edge while its wgmma
-is still in flight, even with the loop unrolled by two. ``PV_OVERLAP=True`` (the default for
-Dv <= 128) reorders instead, so that nothing is in flight at the back edge. Step j issues P_j V_j
-(P_j and alpha_j come from step j - 1), refills, and issues S_{j+2}. It then runs the softmax of
-S_{j+1} under both wgmmas and waits for both. Local compile: no C7514, 184 registers at d 128 with
-4 stages. At Dv = 256 the accumulator leaves too few registers (C7512, spills), so that size keeps
-the plain schedule. K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory
-buffers, one mbarrier each. STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile
-j + 1 must already be on its way. P goes from the S accumulator to the A operand of P V in
-registers. Two warpgroups (8 warps) own 64 rows each of a 128-row block.
+serialise every wgmma: an accumulator still in flight at the loop's back edge gets copied.
+``PV_OVERLAP=True`` (the default for Dv <= 128) reorders instead. Step j issues P_j V_j (P_j comes
+from step j - 1, acc is already rescaled), refills, and issues S_{j+2}. It runs the softmax of
+S_{j+1} under both wgmmas, waits for P_j V_j alone, and rescales acc by alpha_{j+1} and converts
+P_{j+1} while S_{j+2} still runs. P_j V_j reads its A operand from the registers P_{j+1} goes to,
+so that conversion cannot come earlier. Then it waits for S_{j+2}: nothing is in flight at the back
+edge. The steady loop is unrolled by two, so consecutive score tiles sit in two register sets and
+the finished S_{j+2} is not copied at the back edge (the single loop spent 32 MOVs a tile on that).
+At Dv = 256 the accumulator leaves too few registers (C7512, spills), so that size keeps the plain
+schedule. ``Q_IN_REGS`` holds Q in registers as the scores' A operand: a 64 x 64 x 16 wgmma with both
+operands in shared memory reads 4 KB in 32 cycles, all of shared memory's 128 B a cycle.
+
+K and V tiles arrive by TMA through a STAGES-deep ring of shared-memory buffers, one mbarrier each.
+STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile j + 1 must already be on its
+way. P goes from the S accumulator to the A operand of P V in registers. Two warpgroups (8 warps)
+own 64 rows each of a 128-row block.
 
 Status (2026-12-03, session 11): written and compiled for sm_90a on a machine without a GPU
 (``scripts/compile_sm90.py gluon``). It has never run. The GPU test ``tests/ops/test_attention_gluon.py``
