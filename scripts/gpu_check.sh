@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a CUDA machine: the GPU tests, the benchmarks and the demo on the GPU.
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
-#   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the experimental Gluon forward's tests and bench only
+#   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
 set -uo pipefail
@@ -36,19 +36,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember f
 # scale them with GPU_CHECK_SCALE=2 on a slower machine.
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
 if [ "${ONLY:-}" = gluon ]; then
-  # The experimental Gluon forward alone (its own call: its tests compile ~30 kernels, and the full check
-  # already takes most of a 10-minute device call). Tests first; the bench only times variants that
-  # match SDPA.
-  step "gluon forward tests (experimental)" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py 2>&1 | tee '$out/gpu_gluon_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  step "bench gluon forward (experimental)" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
+  # The Gluon forward alone, for work on it. Tests first; the bench only times variants that match SDPA.
+  step "gluon forward tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py 2>&1 | tee '$out/gpu_gluon_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "bench gluon forward variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
   echo "gpu_check status: $status"
   exit $status
 fi
-# the GPU-marked tests (the experimental Gluon forward's run with ONLY=gluon), and the layers' Triton wiring
-step "gpu tests" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon.py 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+# the GPU-marked tests (the Gluon forward's among them), and the layers' Triton wiring
+step "gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
 step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
+fi
+if [ "${SKIP_ATTN:-0}" != 1 ]; then
+  step "bench gluon forward variants" "$(lim 100)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
 fi
 if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
   step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"

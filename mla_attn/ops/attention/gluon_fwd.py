@@ -1,4 +1,7 @@
-"""EXPERIMENTAL, not wired in: a Hopper flash-attention forward written in Gluon.
+"""A Hopper flash-attention forward written in Gluon: the forward of ``mla_attn.ops.attention`` on Hopper
+for bf16/fp16 inputs it supports (function.py routes there; ``MLA_ATTN_GLUON=0`` keeps the Triton forward).
+Gluon is marked experimental in Triton, and its API moves between releases: on a Triton without it
+(or whose Gluon does not have these names) ``AVAILABLE`` is False and the Triton forward runs.
 
 Why Gluon: the plain-Triton forward (``triton_fwd.py``) tops out at 0.77-0.88x of cuDNN SDPA on the
 H200. Triton 3.6 waits for each wgmma right after issuing it whenever its result is used in the
@@ -33,9 +36,10 @@ STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile j + 1 m
 way. P goes from the S accumulator to the A operand of P V in registers. Two warpgroups (8 warps)
 own 64 rows each of a 128-row block.
 
-Status (2026-12-03, session 11): written and compiled for sm_90a on a machine without a GPU
-(``scripts/compile_sm90.py gluon``). It has never run. The GPU test ``tests/ops/test_attention_gluon.py``
-checks it against the float64 oracle, and it must pass before anything routes here.
+Status (2026-12-03, session 12): correct on the H200 (tests/ops/test_attention_gluon.py, 40 GPU tests
+against the float64 oracle, and every Triton-forward GPU test through the public op). Against the
+Triton forward on the benchmark rows (scripts/bench_attention.py --gluon, docs/benchmarks.md): +6% at
+4 x 32 x 4096 x 128, +4% at 2 x 16 x 8192 x 192/128, +3% at 4 x 128 x 2048 x 192/128, +0.5% at GQA.
 
 Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
@@ -366,7 +370,7 @@ def _split_head_dim(d: int):
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
-                    q_in_regs: bool = False):
+                    q_in_regs: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
 
     Experimental: see the module docstring. Causal is aligned to the bottom right (query i sees keys
@@ -381,8 +385,12 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         block_n = 64 if max(d_qk, d_v) <= 192 else 32  # 192/128: Q 48 KB + 4 x 40 KB
     if pv_overlap is None:  # at Dv = 256 the overlap needs more registers than there are (ptxas C7512, spills)
         pv_overlap = d_v <= 128
-    if stages is None:  # the overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead
-        stages = 4 if pv_overlap else 3
+    if q_in_regs is None:  # 32 (d 128) or 48 (192) registers a thread; at d 256 they are not there
+        q_in_regs = d_qk <= 192
+    if stages is None:
+        # The overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead, a fifth two
+        # (H200, 4 x 32 x 4096 x 128: 464 -> 478 TFLOP/s); 192/128 has room for four (Q 48 KB + 40 KB each).
+        stages = (5 if max(d_qk, d_v) <= 128 else 4) if pv_overlap else 3
     if stages < 3:
         # Iteration j refills the stage of tile j - 1 with tile j + stages - 1 and waits for tile j + 1
         # first: with two stages those are the same tile.
