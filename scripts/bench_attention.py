@@ -151,9 +151,9 @@ def bench_gluon(out=None):
         t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
         function.GLUON_FORWARD = True
         if max(dqk, dv) <= 128:  # shared memory: Q 32 KB + stages x (K + V), 32 KB a stage at 64 keys
-            variants = [("overlap bn64 s5 Q in regs (default)", {}), ("overlap bn64 s4 Q in regs", dict(stages=4)),
-                        ("overlap bn64 s6 Q in regs", dict(stages=6)),
-                        ("overlap bn64 s5 Q in smem", dict(q_in_regs=False))]
+            variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s5 Q in regs", dict(stages=5)),
+                        ("overlap bn64 s4 Q in smem", dict(q_in_regs=False)),
+                        ("plain bn64 s3 Q in regs", dict(pv_overlap=False, stages=3))]
         else:  # Q 48 KB + 40 KB a stage at 64 keys (192/128)
             variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s4 Q in smem", dict(q_in_regs=False)),
                         ("overlap bn64 s3 Q in regs", dict(stages=3))]

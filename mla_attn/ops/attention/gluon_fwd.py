@@ -388,9 +388,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     if q_in_regs is None:  # 32 (d 128) or 48 (192) registers a thread; at d 256 they are not there
         q_in_regs = d_qk <= 192
     if stages is None:
-        # The overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead, a fifth two
-        # (H200, 4 x 32 x 4096 x 128: 464 -> 478 TFLOP/s); 192/128 has room for four (Q 48 KB + 40 KB each).
-        stages = (5 if max(d_qk, d_v) <= 128 else 4) if pv_overlap else 3
+        # The overlap waits on tile j + 2 in step j: a fourth stage keeps it one step ahead. A fifth or
+        # sixth gained nothing on the H200 (two runs: d 128 465 vs 465 TFLOP/s, GQA 413 vs 404 at 5).
+        stages = 4 if pv_overlap else 3
     if stages < 3:
         # Iteration j refills the stage of tile j - 1 with tile j + stages - 1 and waits for tile j + 1
         # first: with two stages those are the same tile.
