@@ -36,10 +36,11 @@ STAGES >= 3: the stage refilled in iteration j is tile j - 1's, and tile j + 1 m
 way. P goes from the S accumulator to the A operand of P V in registers. Two warpgroups (8 warps)
 own 64 rows each of a 128-row block.
 
-Status (2026-12-03, session 12): correct on the H200 (tests/ops/test_attention_gluon.py, 40 GPU tests
+Status (2026-12-03, session 12): correct on the H200 (tests/ops/test_attention_gluon.py, 36 GPU tests
 against the float64 oracle, and every Triton-forward GPU test through the public op). Against the
-Triton forward on the benchmark rows (scripts/bench_attention.py --gluon, docs/benchmarks.md): +6% at
-4 x 32 x 4096 x 128, +4% at 2 x 16 x 8192 x 192/128, +3% at 4 x 128 x 2048 x 192/128, +0.5% at GQA.
+Triton forward in the same run (d45e3df, scripts/bench_attention.py --gluon, docs/benchmarks.md):
++4% at 4 x 32 x 4096 x 128, +9% at 2 x 16 x 8192 x 192/128, +7% at 4 x 128 x 2048 x 192/128, +4% at
+GQA 8 x 32/8 x 2048 x 128.
 
 Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
