@@ -135,8 +135,9 @@ def sweep():
 def bench_gluon(out=None):
     """Forward only: the experimental Gluon kernel (gluon_fwd.py) vs ours and SDPA, on the rows it takes,
     with a check against SDPA first (a wrong kernel's time is not reported)."""
-    from mla_attn.ops.attention import gluon_fwd
+    from mla_attn.ops.attention import function, gluon_fwd
 
+    lines_fb = []
     lines = ["| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | fwd TF/s | SDPA TF/s | ours (Triton) TF/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for b, hq, hkv, n, dqk, dv in ROWS:
@@ -146,17 +147,13 @@ def bench_gluon(out=None):
         scale = dqk ** -0.5
         flops = 2 * b * hq * n * n * (dqk + dv) / 2
         ref = _sdpa(q, k, v, scale)
-        from mla_attn.ops.attention import function
         function.GLUON_FORWARD = False  # the Triton forward, for the last column
         t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
         function.GLUON_FORWARD = True
         if max(dqk, dv) <= 128:  # shared memory: Q 32 KB + stages x (K + V), 32 KB a stage at 64 keys
-            variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s5 Q in regs", dict(stages=5)),
-                        ("overlap bn64 s4 Q in smem", dict(q_in_regs=False)),
-                        ("plain bn64 s3 Q in regs", dict(pv_overlap=False, stages=3))]
+            variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s4 Q in smem", dict(q_in_regs=False))]
         else:  # Q 48 KB + 40 KB a stage at 64 keys (192/128)
-            variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s4 Q in smem", dict(q_in_regs=False)),
-                        ("overlap bn64 s3 Q in regs", dict(stages=3))]
+            variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s4 Q in smem", dict(q_in_regs=False))]
         for name, kw in variants:
             try:
                 o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
@@ -170,7 +167,24 @@ def bench_gluon(out=None):
                          f"{flops / t / 1e9 if ok else float('nan'):.0f} | {flops / t_sdpa / 1e9:.0f} | "
                          f"{flops / t_ours / 1e9:.0f} |")
             print(lines[-1], flush=True)
+        # fwd+bwd: the Gluon kernels (forward and dK/dV pass) against the Triton ones and SDPA.
+        from mla_attn.ops.attention import triton_bwd
+        qg, kg, vg = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+        do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+        fb = {}
+        for name, on in (("gluon", True), ("triton", False)):
+            function.GLUON_FORWARD = triton_bwd.GLUON_DKDV = on
+            fb[name] = _ms(lambda: _ours(qg, kg, vg, scale).backward(do), [qg, kg, vg])
+        function.GLUON_FORWARD = triton_bwd.GLUON_DKDV = True
+        fb["sdpa"] = _ms(lambda: _sdpa(qg, kg, vg, scale).backward(do), [qg, kg, vg])
+        lines_fb.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {3.5 * flops / fb['gluon'] / 1e9:.0f} | "
+                        f"{3.5 * flops / fb['triton'] / 1e9:.0f} | {3.5 * flops / fb['sdpa'] / 1e9:.0f} | "
+                        f"{fb['sdpa'] / fb['gluon']:.2f} |")
+        print(lines_fb[-1], flush=True)
         torch.cuda.empty_cache()
+    lines += ["", "fwd+bwd TFLOP/s (3.5 x forward FLOPs): Gluon forward + Gluon dK/dV + Triton dQ, all-Triton, SDPA",
+              "", "| B | Hq/Hkv | L | Dqk/Dv | Gluon | Triton | SDPA | Gluon / SDPA |", "|---|---|---|---|---|---|---|---|"]
+    lines += lines_fb
     text = "\n".join(lines) + "\n"
     if out:
         with open(out, "w") as f:

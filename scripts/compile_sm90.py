@@ -48,7 +48,7 @@ def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambd
             sig[n] = ptrs[n]
             if not ptrs[n].startswith("tensordesc"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
+        elif n in ("qk_scale", "scale"):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
@@ -70,7 +70,7 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd", "gluon"])
+    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
@@ -108,6 +108,35 @@ def main():
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "gluon_dkdv":  # the Gluon dK/dV pass (gluon_bwd.py): tiles BLOCK_M,BLOCK_N,warps,stages
+        from triton.experimental.gluon import language as gl
+
+        from mla_attn.ops.attention.gluon_bwd import _dkdv_gluon as fn
+        from mla_attn.ops.attention.gluon_fwd import _split_head_dim
+
+        def desc(rows, cols):
+            return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+        d0, d1 = _split_head_dim(args.dqk)
+        ptrs = {"q_desc": desc(a, d0), "q1_desc": desc(a, d1 or d0), "do_desc": desc(a, args.dv),
+                "k_desc": desc(b, d0), "k1_desc": desc(b, d1 or d0), "v_desc": desc(b, args.dv),
+                "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+        const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
+                     num_warps=warps)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
+        from mla_attn.ops.attention import triton_bwd
+        from mla_attn.ops.attention.triton_fwd import split_head_dim
+        fn = triton_bwd._bwd_dkdv_kernel if args.kernel == "dkdv" else triton_bwd._bwd_dq_kernel
+        b0, b1 = split_head_dim(args.dqk)
+        ptrs = {n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}
+        ptrs.update(LSE="*fp32", DELTA="*fp32")
+        if args.kernel == "dq":
+            ptrs["DQ"] = "*bf16"
+        const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
+                     BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=not args.full, BLOCK_M=a, BLOCK_N=b,
+                     DOT_PREC="tf32")
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride") or n in ("M", "N"))
     else:
         from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn
         from mla_attn.ops.attention.triton_fwd import split_head_dim
@@ -126,6 +155,8 @@ def main():
     res = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(args.out, "kernel.cubin")],
                          capture_output=True, text=True)
     log = res.stdout + res.stderr
+    for w in sorted(set(re.findall(r"\(C75\d\d\)[^\n]*", log))):
+        print("ptxas:", w[:160])
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     print(f"triton {triton.__version__}  {args.kernel} {args.tiles}")

@@ -12,8 +12,10 @@ import torch
 
 from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, dtype_floor
 from test_attention_triton import LSE_ATOL, _torch_same_dtype
+from test_attention_triton import _check as _check_fwd_bwd
 
 gluon_fwd = pytest.importorskip("mla_attn.ops.attention.gluon_fwd")
+gluon_bwd = pytest.importorskip("mla_attn.ops.attention.gluon_bwd")
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -93,8 +95,8 @@ def test_gluon_forward_edge_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
 def test_public_op_routes_the_forward_to_gluon(monkeypatch):
-    """On Hopper bf16 the public op's forward is the Gluon kernel (unless MLA_ATTN_GLUON=0), and its LSE
-    drives the Triton backward to the same gradients as the Triton forward's."""
+    """On Hopper bf16 the public op's forward and dK/dV pass are the Gluon kernels (unless
+    MLA_ATTN_GLUON=0), with the same outputs and gradients as the Triton kernels' up to bf16 rounding."""
     import mla_attn
     from mla_attn.ops.attention import function
 
@@ -110,9 +112,12 @@ def test_public_op_routes_the_forward_to_gluon(monkeypatch):
     k = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, 2, 333, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
+    from mla_attn.ops.attention import triton_bwd
+
     grads = {}
     for on in (True, False):
         monkeypatch.setattr(function, "GLUON_FORWARD", on)
+        monkeypatch.setattr(triton_bwd, "GLUON_DKDV", on)
         n0 = len(calls)
         o = mla_attn.ops.attention(q, k, v, causal=True, impl="triton")
         assert len(calls) - n0 == (1 if on else 0)
@@ -120,3 +125,30 @@ def test_public_op_routes_the_forward_to_gluon(monkeypatch):
     for a, b in zip(grads[True], grads[False]):  # two bf16 kernels: differences at bf16 rounding
         assert torch.isfinite(a).all()
         assert (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max() + 1e-2
+
+
+# The Gluon dK/dV pass through the public op (forward + backward against the float64 oracle, gradients
+# within 2x of PyTorch's same-dtype error): rows that see no key (M > N), a cached prefix, MQA, lengths
+# off the tiles (32 rows, 128 keys), Dv 64, the 192 = 128 + 64 split.
+BWD_CASES = [
+    (1, 4, 1, 130, 65, 128, 128, True),
+    (2, 6, 2, 77, 300, 192, 128, True),
+    (1, 3, 3, 1, 1, 64, 64, False),
+    (1, 2, 2, 333, 257, 128, 64, False),
+    (1, 8, 2, 600, 600, 128, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
+    *c[:7], "causal" if c[7] else "full"))
+def test_gluon_dkdv_matches_oracle(case, monkeypatch):
+    from mla_attn.ops.attention import triton_bwd
+
+    calls = []
+    real = gluon_bwd.dkdv_gluon
+    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda")
+    assert calls, "the Gluon dK/dV pass did not run"

@@ -16,12 +16,19 @@ their gradients are 0. Causal alignment is bottom-right, as in the forward (trit
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import triton_fwd
 from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim
+
+
+# On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
+# the Triton one (as it keeps the Triton forward, function.py).
+GLUON_DKDV = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
 
 
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
@@ -383,6 +390,17 @@ def flash_attn_bwd(
         # is dropped so that a NaN there cannot reach dS (0 * NaN).
         delta -= torch.where(torch.isneginf(lse), torch.zeros_like(dlse, dtype=torch.float32), dlse.float())
 
+    if dkdv_config is None and GLUON_DKDV and q.is_cuda:
+        from . import gluon_bwd
+
+        if gluon_bwd.supported(q, k, v):
+            gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale)
+            dkdv_done = True
+        else:
+            dkdv_done = False
+    else:
+        dkdv_done = False
+
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg
         _bwd_dkdv_kernel[(triton.cdiv(N, bn), B * Hkv)](
@@ -414,8 +432,9 @@ def flash_attn_bwd(
     es = q.element_size()
     width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
     key = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
-    launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
-                         pinned=dkdv_config is not None)
+    if not dkdv_done:
+        launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
+                             pinned=dkdv_config is not None)
     launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
                          pinned=dq_config is not None)
     return dq, dk, dv

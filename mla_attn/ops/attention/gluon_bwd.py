@@ -1,0 +1,238 @@
+"""The dK/dV pass of the flash-attention backward for Hopper, written in Gluon.
+
+Why: the Triton dK/dV kernel (``triton_bwd._bwd_dkdv_kernel``) compiles for sm_90a with ptxas C7515
+(every wgmma serialised: non-wgmma instructions write accumulator registers inside a pipeline
+stage) and, at its tile table's (64, 128, 8, 3), 255 registers with ~0.4 KB spilled
+(``scripts/compile_sm90.py dkdv``). Here the wgmmas are issued and waited for explicitly.
+
+A program owns BLOCK_N = 128 keys of one KV head (two warpgroups, 64 keys each) and walks the row tiles
+of every query head of its group that can see them. K and V stay in shared memory; Q and dO row tiles
+come by TMA through a STAGES-deep ring, one mbarrier each. Per row tile j (S^T, dP^T: [keys, rows]):
+
+    1. issue S^T = K Q_j^T and dP^T = V dO_j^T                 (two wgmma groups)
+    2. wait for S^T; P^T = exp2(S^T * scale - lse_j)            (under dP^T)
+    3. issue dV += P^T dO_j
+    4. wait for dP^T; dS^T = P^T (dP^T - delta_j)               (under dV)
+    5. issue dK += dS^T Q_j; wait for everything
+    6. barrier; refill the ring stage of tile j with tile j + STAGES
+
+Nothing is in flight at the loop's back edge (ptxas C7514). The softmax statistics come from the
+forward: lse (natural log, -inf for rows that see no key) and delta = rowsum(dO * O) - dlse. Rows past
+M read lse = +inf, so their P is exactly 0; rows TMA fetches past the tensor's end are zero.
+
+Scope: bf16/fp16, Dqk a power of two or 128 + 64 (MLA expanded 192), Dv 64 or 128. The dQ pass stays
+on Triton. ``triton_bwd.flash_attn_bwd`` routes here where ``supported`` says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gluon_fwd import _split_head_dim, _tma_ready
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+_LOG2E = 1.4426950408889634
+
+if AVAILABLE:
+    @gluon.jit
+    def _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t, n_rt, rt0, M, H, i_b, i_hk,
+                   GROUP_N, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr,
+                   SPLIT: gl.constexpr, n_tiles):
+        """Start the TMA loads of flat row tile t (query head g = t // n_rt of the group, row tile
+        rt0 + t % n_rt) into ring stage t % STAGES; a no-op past the last tile."""
+        stage = t % STAGES
+        pred = t < n_tiles
+        g = t // gl.maximum(n_rt, 1)
+        row = ((i_b * H + i_hk * GROUP_N + g) * M + (rt0 + t % gl.maximum(n_rt, 1)) * BLOCK_M)
+        bar = bars.index(stage)
+        if SPLIT:
+            mbarrier.expect(bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                            pred=pred)
+        else:
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
+        if SPLIT:
+            tma.async_copy_global_to_shared(q1_desc, [row, D_QK0], bar, q1_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _dkdv_gluon(
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+        qk_scale, scale, M, N, H, HK, GROUP_N,
+        D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        i_b = pid_bh // HK
+        i_hk = pid_bh % HK
+        n0 = pid_n * BLOCK_N
+        kv_row0 = pid_bh * N + n0  # rows of the [B * HK * N, D] views
+        shift = N - M
+
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_QK0, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_V, 16])
+        SPLIT: gl.constexpr = D_QK1 > 0
+        dtype: gl.constexpr = q_desc.dtype
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK0], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK0], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
+        if SPLIT:
+            k1_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK1], k1_desc.layout)
+            q1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK1], q1_desc.layout)
+        else:
+            k1_smem = k_smem
+            q1_smem = q_smem
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        # Row tiles that can see this key block: causal (bottom-right), row i sees key n0 iff
+        # i >= n0 - shift; all of them otherwise.
+        n_rows_tiles = gl.cdiv(M, BLOCK_M)
+        rt0 = 0
+        if CAUSAL:
+            rt0 = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, n_rows_tiles)
+        n_rt = n_rows_tiles - rt0
+        n_tiles = GROUP_N * n_rt
+
+        if SPLIT:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k1_desc, [kv_row0, D_QK0], kv_bar, k1_smem)
+        else:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
+        for i in gl.static_range(STAGES):
+            _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
+                       GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles)
+
+        dk = gl.zeros([BLOCK_N, D_QK0], gl.float32, layout=dk_layout)
+        if SPLIT:
+            dk1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, D_QK1, 16])
+            dk1 = gl.zeros([BLOCK_N, D_QK1], gl.float32, layout=dk1_layout)
+        else:
+            dk1 = dk
+        dv = gl.zeros([BLOCK_N, D_V], gl.float32, layout=dv_layout)
+        st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dsa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        o_key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # [BLOCK_N]
+        o_rl = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # [BLOCK_M]
+
+        mbarrier.wait(kv_bar, 0)
+        for t in range(0, n_tiles):
+            stage = t % STAGES
+            g = t // n_rt
+            start_m = (rt0 + t % n_rt) * BLOCK_M
+            o_row = start_m + o_rl
+            stat = (i_b * H + i_hk * GROUP_N + g).to(gl.int64) * M
+            # lse (natural log) -> base 2; -inf (row sees no key) and rows past M -> +inf: P = 0.
+            lse = gl.load(LSE + stat + o_row, mask=o_row < M, other=float("-inf"))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = gl.load(DELTA + stat + o_row, mask=o_row < M, other=0.0)
+
+            mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
+            s_t = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            if SPLIT:
+                s_t = warpgroup_mma(k1_smem, q1_smem.index(stage).permute((1, 0)), s_t, is_async=True)
+            dp_t = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), st_zero, use_acc=False,
+                                 is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+            if CAUSAL:  # key j is visible to row i iff j <= i + shift
+                p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds_t, dsa_layout), q_smem.index(stage), dk, is_async=True)
+            if SPLIT:
+                dk1_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk1_layout, k_width=2)
+                dk1 = warpgroup_mma(gl.convert_layout(ds_t, dk1_a), q1_smem.index(stage), dk1, is_async=True)
+                dv, dk, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dk1))
+            else:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            # Both warpgroups are done with this stage once every thread passes here: refill it.
+            gl.thread_barrier()
+            _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
+                       i_hk, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles)
+
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        base = pid_bh.to(gl.int64) * N
+        o_nk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+        o_dk = gl.arange(0, D_QK0, layout=gl.SliceLayout(0, dk_layout))
+        d_qk: gl.constexpr = D_QK0 + D_QK1
+        p_dk = DK + (base + o_nk.to(gl.int64))[:, None] * d_qk + o_dk[None, :]
+        gl.store(p_dk, (dk * scale).to(DK.dtype.element_ty), mask=(o_nk < N)[:, None])
+        if SPLIT:
+            o_nk1 = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk1_layout))
+            o_dk1 = D_QK0 + gl.arange(0, D_QK1, layout=gl.SliceLayout(0, dk1_layout))
+            p_dk1 = DK + (base + o_nk1.to(gl.int64))[:, None] * d_qk + o_dk1[None, :]
+            gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty), mask=(o_nk1 < N)[:, None])
+        o_nv = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+        o_dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, dv_layout))
+        p_dv = DV + (base + o_nv.to(gl.int64))[:, None] * D_V + o_dv[None, :]
+        gl.store(p_dv, dv.to(DV.dtype.element_ty), mask=(o_nv < N)[:, None])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`dkdv_gluon` takes these inputs (else the Triton dK/dV kernel runs)."""
+    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    split = _split_head_dim(d_qk)
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and split is not None and split[0] <= 128 and d_v in (64, 128) and q.shape[1] % k.shape[1] == 0)
+
+
+def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int = 32,
+               block_n: int = 128, stages: int = 3, num_warps: int = 8):
+    """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
+    [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
+
+    Tiles: 32 rows a step (sm_90a: 211 registers at d 128, 247 at 192/128, no spills; 64 rows need 255
+    and spill), 128 keys a program (two warpgroups), 3 ring stages."""
+    b, h, m, d_qk = q.shape
+    hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    d0, d1 = _split_head_dim(d_qk)
+    q2 = _tma_ready(q).view(b * h * m, d_qk)
+    do2 = _tma_ready(do).view(b * h * m, d_v)
+    k2 = _tma_ready(k).view(b * hk * n, d_qk)
+    v2 = _tma_ready(v).view(b * hk * n, d_v)
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+
+    q_desc, do_desc = desc(q2, block_m, d0), desc(do2, block_m, d_v)
+    k_desc, v_desc = desc(k2, block_n, d0), desc(v2, block_n, d_v)
+    q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
+    grid = ((n + block_n - 1) // block_n, b * hk)
+    _dkdv_gluon[grid](
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, lse, delta, dk, dv,
+        scale * _LOG2E, scale, m, n, h, hk, h // hk,
+        D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        num_warps=num_warps,
+    )
+    return dk, dv
