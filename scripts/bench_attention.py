@@ -137,7 +137,7 @@ def bench_gluon(out=None):
     with a check against SDPA first (a wrong kernel's time is not reported)."""
     from mla_attn.ops.attention import function, gluon_fwd
 
-    lines_fb = []
+    lines_fb, lines_fb_var = [], []
     lines = ["| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | fwd TF/s | SDPA TF/s | ours (Triton) TF/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for b, hq, hkv, n, dqk, dv in ROWS:
@@ -176,6 +176,15 @@ def bench_gluon(out=None):
             function.GLUON_FORWARD = triton_bwd.GLUON_DKDV = on
             fb[name] = _ms(lambda: _ours(qg, kg, vg, scale).backward(do), [qg, kg, vg])
         function.GLUON_FORWARD = triton_bwd.GLUON_DKDV = True
+        from mla_attn.ops.attention import gluon_bwd
+        saved = gluon_bwd.TILES
+        for tiles in ((64, 2), (32, 2)):  # the dK/dV pass's (rows a step, stages) against the default
+            gluon_bwd.TILES = tiles
+            t = _ms(lambda: _ours(qg, kg, vg, scale).backward(do), [qg, kg, vg])
+            print(f"  dK/dV tiles {tiles}: fwd+bwd {3.5 * flops / t / 1e9:.0f} TF/s (default {saved}: "
+                  f"{3.5 * flops / fb['gluon'] / 1e9:.0f})", flush=True)
+            lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tiles} | {3.5 * flops / t / 1e9:.0f} |")
+        gluon_bwd.TILES = saved
         fb["sdpa"] = _ms(lambda: _sdpa(qg, kg, vg, scale).backward(do), [qg, kg, vg])
         lines_fb.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {3.5 * flops / fb['gluon'] / 1e9:.0f} | "
                         f"{3.5 * flops / fb['triton'] / 1e9:.0f} | {3.5 * flops / fb['sdpa'] / 1e9:.0f} | "
@@ -185,6 +194,8 @@ def bench_gluon(out=None):
     lines += ["", "fwd+bwd TFLOP/s (3.5 x forward FLOPs): Gluon forward + Gluon dK/dV + Triton dQ, all-Triton, SDPA",
               "", "| B | Hq/Hkv | L | Dqk/Dv | Gluon | Triton | SDPA | Gluon / SDPA |", "|---|---|---|---|---|---|---|---|"]
     lines += lines_fb
+    lines += ["", "Gluon dK/dV (rows a step, stages) variants, fwd+bwd TFLOP/s", "",
+              "| B | Hq/Hkv | L | Dqk/Dv | tiles | fwd+bwd |", "|---|---|---|---|---|---|"] + lines_fb_var
     text = "\n".join(lines) + "\n"
     if out:
         with open(out, "w") as f:

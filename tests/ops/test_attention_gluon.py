@@ -141,10 +141,13 @@ BWD_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("tiles", [(32, 3), (64, 2)], ids=lambda t: f"rows{t[0]}-stages{t[1]}")
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
     *c[:7], "causal" if c[7] else "full"))
-def test_gluon_dkdv_matches_oracle(case, monkeypatch):
+def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
     from mla_attn.ops.attention import triton_bwd
+
+    monkeypatch.setattr(gluon_bwd, "TILES", tiles)
 
     calls = []
     real = gluon_bwd.dkdv_gluon

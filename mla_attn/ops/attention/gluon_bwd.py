@@ -205,8 +205,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and split is not None and split[0] <= 128 and d_v in (64, 128) and q.shape[1] % k.shape[1] == 0)
 
 
-def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int = 32,
-               block_n: int = 128, stages: int = 3, num_warps: int = 8):
+# (rows a step, ring stages) when dkdv_gluon is not told: see its docstring.
+TILES = (32, 3)
+
+
+def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int | None = None,
+               block_n: int = 128, stages: int | None = None, num_warps: int = 8):
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
@@ -214,6 +218,8 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     and spill), 128 keys a program (two warpgroups), 3 ring stages."""
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    block_m = TILES[0] if block_m is None else block_m
+    stages = TILES[1] if stages is None else stages
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
