@@ -205,8 +205,17 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and split is not None and split[0] <= 128 and d_v in (64, 128) and q.shape[1] % k.shape[1] == 0)
 
 
-# (rows a step, ring stages) when dkdv_gluon is not told: see its docstring.
-TILES = (32, 3)
+# (rows a step, ring stages) when dkdv_gluon is not told; None: by head width (see _tiles).
+TILES = None
+
+
+def _tiles(d_qk: int) -> tuple[int, int]:
+    """H200, fwd+bwd TFLOP/s with this pass (docs/benchmarks.md, session 12). Up to d 128, 64 rows and
+    2 stages: 377 vs 347 with (32, 3) at 4 x 32 x 4096, 341 vs 306 at GQA 8 x 32/8 x 2048 (255 registers,
+    32 bytes spilled). At 192/128, 64 rows spill 248 bytes and lose (335 vs 375, 276 vs 322): (32, 3)."""
+    if TILES is not None:
+        return TILES
+    return (64, 2) if d_qk <= 128 else (32, 3)
 
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int | None = None,
@@ -214,12 +223,11 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
-    Tiles: 32 rows a step (sm_90a: 211 registers at d 128, 247 at 192/128, no spills; 64 rows need 255
-    and spill), 128 keys a program (two warpgroups), 3 ring stages."""
+    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``."""
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
-    block_m = TILES[0] if block_m is None else block_m
-    stages = TILES[1] if stages is None else stages
+    block_m = _tiles(d_qk)[0] if block_m is None else block_m
+    stages = _tiles(d_qk)[1] if stages is None else stages
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
