@@ -66,6 +66,14 @@ def _ms(fn, grads=None):
     return do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
 
 
+def _ms_pair(fa, fb, grads=None):
+    """Medians of fa and fb timed A B B A, each the mean of its two runs. The GPU's clock drifts within a
+    run (the H200's SDPA forward read 528 TFLOP/s timed after ours and 565-607 timed first, same shape),
+    so timing one side always first biases the ratio; this order cancels a linear drift."""
+    a1, b1, b2, a2 = _ms(fa, grads), _ms(fb, grads), _ms(fb, grads), _ms(fa, grads)
+    return (a1 + a2) / 2, (b1 + b2) / 2
+
+
 def _extra_mib(fn, q, k, v, do):
     for t in (q, k, v):
         t.grad = None
@@ -84,12 +92,11 @@ def bench_row(b, hq, hkv, n, dqk, dv):
     res = {}
     with torch.no_grad():
         q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
-        res["fwd_ours"] = _ms(lambda: _ours(q, k, v, scale))
-        res["fwd_sdpa"] = _ms(lambda: _sdpa(q, k, v, scale))
+        res["fwd_ours"], res["fwd_sdpa"] = _ms_pair(lambda: _ours(q, k, v, scale), lambda: _sdpa(q, k, v, scale))
     q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
     do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
-    res["fb_ours"] = _ms(lambda: _ours(q, k, v, scale).backward(do), [q, k, v])
-    res["fb_sdpa"] = _ms(lambda: _sdpa(q, k, v, scale).backward(do), [q, k, v])
+    res["fb_ours"], res["fb_sdpa"] = _ms_pair(lambda: _ours(q, k, v, scale).backward(do),
+                                              lambda: _sdpa(q, k, v, scale).backward(do), [q, k, v])
     res["mem_ours"] = _extra_mib(lambda: _ours(q, k, v, scale), q, k, v, do)
     res["mem_sdpa"] = _extra_mib(lambda: _sdpa(q, k, v, scale), q, k, v, do)
     tf = lambda ms, mult: mult * fwd_flops / (ms * 1e-3) / 1e12  # noqa: E731
@@ -148,7 +155,7 @@ def bench_gluon(out=None):
         flops = 2 * b * hq * n * n * (dqk + dv) / 2
         ref = _sdpa(q, k, v, scale)
         function.GLUON_FORWARD = False  # the Triton forward, for the last column
-        t_sdpa, t_ours = _ms(lambda: _sdpa(q, k, v, scale)), _ms(lambda: _ours(q, k, v, scale))
+        t_sdpa, t_ours = _ms_pair(lambda: _sdpa(q, k, v, scale), lambda: _ours(q, k, v, scale))
         function.GLUON_FORWARD = True
         if max(dqk, dv) <= 128:  # shared memory: Q 32 KB + stages x (K + V), 32 KB a stage at 64 keys
             variants = [("overlap bn64 s4 Q in regs (default)", {}), ("overlap bn64 s4 Q in smem", dict(q_in_regs=False))]
@@ -219,7 +226,7 @@ def main(argv=None):
         f"# Flash attention vs SDPA ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
         "",
         f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
-        "median of triton.testing.do_bench.",
+        "median of triton.testing.do_bench, ours and SDPA timed in A B B A order (each the mean of its two).",
         "FLOPs: forward = 2*B*H*L*L*(Dqk+Dv)/2 (causal); forward+backward = 3.5 x forward. "
         f"SDPA GQA: {'enable_gqa=True' if HAS_GQA else 'KV heads repeated'}. "
         "Extra MiB: peak memory of one fwd+bwd beyond inputs, dO and gradients.",
