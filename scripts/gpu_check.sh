@@ -43,7 +43,7 @@ if [ "${ONLY:-}" = gluon ]; then
   exit $status
 fi
 # the GPU-marked tests (the Gluon forward's among them), and the layers' Triton wiring
-step "gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+step "gpu tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
 step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"

@@ -153,5 +153,8 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
     real = gluon_bwd.dkdv_gluon
     monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
-    _check_fwd_bwd(*case, torch.bfloat16, device="cuda")
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls, "the Gluon dK/dV pass did not run"
+    calls.clear()
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda")  # strided views: the Triton kernels
+    assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"

@@ -74,15 +74,19 @@ def _grads(fn, inputs, do):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k_mul=1.0, device="cpu"):
+def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k_mul=1.0, device="cpu",
+           strided=True):
     scale = dqk ** -0.5 if scale is None else scale
     q = (torch.randn(b, hq, m, dqk, device=device) * q_mul).to(dtype)
     k = (torch.randn(b, hkv, n, dqk, device=device) * k_mul).to(dtype)
     v = torch.randn(b, hkv, n, dv, device=device).to(dtype)
     do = torch.randn(b, hq, m, dv, device=device).to(dtype)
-    # q as a [B, M, H, D] transpose, k/v inside NaN-padded token-major storage.
-    qs = q.transpose(1, 2).contiguous().transpose(1, 2)
-    ks, vs = _strided(k), _strided(v)
+    # q as a [B, M, H, D] transpose, k/v inside NaN-padded token-major storage (strided), or as they are.
+    if strided:
+        qs = q.transpose(1, 2).contiguous().transpose(1, 2)
+        ks, vs = _strided(k), _strided(v)
+    else:
+        qs, ks, vs = q, k, v
 
     leaves = [t.detach().clone().requires_grad_() for t in (qs, ks, vs)]
     o, lse = flash_attention(*leaves, causal, scale)
@@ -290,7 +294,11 @@ def _gpu_id(c):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
 def test_gpu_matches_oracle(case, dtype, poison):
+    # Strided views (the Triton kernels on every GPU) and, in bf16, contiguous inputs (on Hopper, where
+    # the Gluon forward and dK/dV pass take them; test_attention_gluon.py covers fp16 there).
     _check(*case, dtype, device="cuda")
+    if dtype == torch.bfloat16:
+        _check(*case, dtype, device="cuda", strided=False)
 
 
 @pytest.mark.gpu

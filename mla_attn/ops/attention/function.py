@@ -28,7 +28,9 @@ GLUON_FORWARD = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
 
 
 def _gluon_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    if not (GLUON_FORWARD and q.is_cuda):
+    # Contiguous [B, H, L, D] only: its TMA descriptors would need a copy of a strided view (the layers'
+    # [B, L, H, D] transposes), which costs more than the kernel gains; the Triton kernel reads strides.
+    if not (GLUON_FORWARD and q.is_cuda and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return False
     from . import gluon_fwd
 

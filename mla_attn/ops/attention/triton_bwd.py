@@ -390,16 +390,16 @@ def flash_attn_bwd(
         # is dropped so that a NaN there cannot reach dS (0 * NaN).
         delta -= torch.where(torch.isneginf(lse), torch.zeros_like(dlse, dtype=torch.float32), dlse.float())
 
-    if dkdv_config is None and GLUON_DKDV and q.is_cuda:
+    # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
+    # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
+    dkdv_done = (dkdv_config is None and GLUON_DKDV and q.is_cuda
+                 and all(t.is_contiguous() for t in (q, k, v, do)))
+    if dkdv_done:
         from . import gluon_bwd
 
-        if gluon_bwd.supported(q, k, v):
+        dkdv_done = gluon_bwd.supported(q, k, v)
+        if dkdv_done:
             gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale)
-            dkdv_done = True
-        else:
-            dkdv_done = False
-    else:
-        dkdv_done = False
 
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg
