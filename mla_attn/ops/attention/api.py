@@ -35,8 +35,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         scale: score scale, default ``Dqk ** -0.5``.
         return_lse: also return the log-sum-exp of the scaled scores, ``[B, Hq, M]`` float32.
         impl: ``"auto"`` (the GPU kernels on CUDA tensors, reference elsewhere), ``"triton"`` or
-            ``"reference"``. The GPU kernels: on Hopper with bf16/fp16 the forward is a Gluon kernel
-            (``gluon_fwd.py``; ``MLA_ATTN_GLUON=0`` opts out), elsewhere Triton; the backward is Triton.
+            ``"reference"``. The GPU kernels: on Hopper, for contiguous bf16/fp16 inputs, the forward
+            and the backward's dK/dV pass are Gluon kernels (``gluon_fwd.py``, ``gluon_bwd.py``;
+            ``MLA_ATTN_GLUON=0`` opts out); everything else is Triton.
 
     Returns:
         ``o [B, Hq, M, Dv]`` in q's dtype, and ``lse`` when ``return_lse``. Differentiable in q, k, v.

@@ -1,5 +1,6 @@
 """A Hopper flash-attention forward written in Gluon: the forward of ``mla_attn.ops.attention`` on Hopper
-for bf16/fp16 inputs it supports (function.py routes there; ``MLA_ATTN_GLUON=0`` keeps the Triton forward).
+for contiguous bf16/fp16 inputs it supports (function.py routes there; strided views stay on Triton,
+which reads strides, rather than being copied for TMA; ``MLA_ATTN_GLUON=0`` keeps the Triton forward).
 Gluon is marked experimental in Triton, and its API moves between releases: on a Triton without it
 (or whose Gluon does not have these names) ``AVAILABLE`` is False and the Triton forward runs.
 
