@@ -196,6 +196,22 @@ def bench_gluon(out=None):
                   f"{3.5 * flops / fb['gluon'] / 1e9:.0f})", flush=True)
             lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tiles} | {3.5 * flops / t / 1e9:.0f} |")
         gluon_bwd.TILES = saved
+        # The Gluon dQ pass (off by default until checked): fwd+bwd with it on, after a check of dq.
+        triton_bwd.GLUON_DQ = True
+        try:
+            o1 = _ours(qg, kg, vg, scale)
+            g1 = torch.autograd.grad(o1, qg, do)[0]
+            triton_bwd.GLUON_DQ = False
+            g0 = torch.autograd.grad(_ours(qg, kg, vg, scale), qg, do)[0]
+            err = ((g1.float() - g0.float()).abs().max() / g0.float().abs().max()).item()
+            triton_bwd.GLUON_DQ = True
+            t = _ms(lambda: _ours(qg, kg, vg, scale).backward(do), [qg, kg, vg])
+            msg = f"{3.5 * flops / t / 1e9:.0f}" if err < 0.05 else f"wrong (rel err {err:.2e})"
+        except Exception as e:  # report, go on
+            msg = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        triton_bwd.GLUON_DQ = False
+        print(f"  + Gluon dQ: fwd+bwd {msg}", flush=True)
+        lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | default + Gluon dQ | {msg} |")
         fb["sdpa"] = _ms(lambda: _sdpa(qg, kg, vg, scale).backward(do), [qg, kg, vg])
         lines_fb.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {3.5 * flops / fb['gluon'] / 1e9:.0f} | "
                         f"{3.5 * flops / fb['triton'] / 1e9:.0f} | {3.5 * flops / fb['sdpa'] / 1e9:.0f} | "

@@ -70,7 +70,7 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv"])
+    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
@@ -108,10 +108,11 @@ def main():
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
-    elif args.kernel == "gluon_dkdv":  # the Gluon dK/dV pass (gluon_bwd.py): tiles BLOCK_M,BLOCK_N,warps,stages
+    elif args.kernel in ("gluon_dkdv", "gluon_dq"):  # the Gluon backward passes (gluon_bwd.py)
         from triton.experimental.gluon import language as gl
 
-        from mla_attn.ops.attention.gluon_bwd import _dkdv_gluon as fn
+        from mla_attn.ops.attention.gluon_bwd import _dkdv_gluon, _dq_gluon
+        fn = _dkdv_gluon if args.kernel == "gluon_dkdv" else _dq_gluon
         from mla_attn.ops.attention.gluon_fwd import _split_head_dim
 
         def desc(rows, cols):
@@ -120,7 +121,7 @@ def main():
         d0, d1 = _split_head_dim(args.dqk)
         ptrs = {"q_desc": desc(a, d0), "q1_desc": desc(a, d1 or d0), "do_desc": desc(a, args.dv),
                 "k_desc": desc(b, d0), "k1_desc": desc(b, d1 or d0), "v_desc": desc(b, args.dv),
-                "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+                "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))

@@ -158,3 +158,19 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
     calls.clear()
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda")  # strided views: the Triton kernels
     assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
+    *c[:7], "causal" if c[7] else "full"))
+def test_gluon_dq_matches_oracle(case, monkeypatch):
+    """The Gluon dQ pass (off by default until this passes on the H200), forced on."""
+    from mla_attn.ops.attention import triton_bwd
+
+    calls = []
+    real = gluon_bwd.dq_gluon
+    monkeypatch.setattr(gluon_bwd, "dq_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_bwd, "GLUON_DQ", True)
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert calls, "the Gluon dQ pass did not run"

@@ -20,8 +20,10 @@ Nothing is in flight at the loop's back edge (ptxas C7514). The softmax statisti
 forward: lse (natural log, -inf for rows that see no key) and delta = rowsum(dO * O) - dlse. Rows past
 M read lse = +inf, so their P is exactly 0; rows TMA fetches past the tensor's end are zero.
 
-Scope: bf16/fp16, Dqk a power of two or 128 + 64 (MLA expanded 192), Dv 64 or 128. The dQ pass stays
-on Triton. ``triton_bwd.flash_attn_bwd`` routes here where ``supported`` says so (``MLA_ATTN_GLUON=0``
+Scope: bf16/fp16, Dqk a power of two or 128 + 64 (MLA expanded 192), Dv 64 or 128. The dQ pass
+(``dq_gluon``, the same schedule with the roles of queries and keys swapped: a program owns 128 rows,
+K/V tiles stream by TMA) is written and compiles clean for sm_90a but has not run on a GPU, so it is
+off unless ``MLA_ATTN_GLUON_DQ=1``; by default the dQ pass stays on Triton. ``triton_bwd.flash_attn_bwd`` routes here where ``supported`` says so (``MLA_ATTN_GLUON=0``
 opts out).
 
 Status (2026-12-03, session 12): it passes the oracle on the H200. That covers the 10 tests in
@@ -201,6 +203,162 @@ if AVAILABLE:
         gl.store(p_dv, dv.to(DV.dtype.element_ty), mask=(o_nv < N)[:, None])
 
 
+if AVAILABLE:
+    @gluon.jit
+    def _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, tile, kv_row0, n_tiles,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
+        """dQ pass: TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end)."""
+        stage = tile % STAGES
+        pred = tile < n_tiles
+        bar = bars.index(stage)
+        if SPLIT:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes,
+                            pred=pred)
+            tma.async_copy_global_to_shared(k1_desc, [kv_row0 + tile * BLOCK_N, D_QK0], bar, k1_smem.index(stage),
+                                            pred=pred)
+        else:
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0 + tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [kv_row0 + tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _dq_step(j, dq, dq1, q_smem, q1_smem, do_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
+                 kv_row0, n_tiles, lse2, delta, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
+                 dqa_layout: gl.constexpr, dq1a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, MASK: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
+        """Key tile j of the dQ pass: S = Q K^T and dP = dO V^T issued together; P under dP; dQ += dS K;
+        wait for all; refill this tile's stage with tile j + STAGES."""
+        stage = j % STAGES
+        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if SPLIT:
+            s = warpgroup_mma(q1_smem, k1_smem.index(stage).permute((1, 0)), s, is_async=True)
+        dp = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        p = gl.exp2(s * qk_scale - lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        if MASK:  # keys past N (the tile's tail holds another head's rows), and the causal diagonal
+            cols = j * BLOCK_N + o_n
+            vis = (cols < N)[None, :]
+            if CAUSAL:
+                vis = vis & (cols[None, :] <= (o_m + (N - M))[:, None])
+            p = gl.where(vis, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dq = warpgroup_mma(gl.convert_layout(ds, dqa_layout), k_smem.index(stage), dq, is_async=True)
+        if SPLIT:
+            dq1 = warpgroup_mma(gl.convert_layout(ds, dq1a_layout), k1_smem.index(stage), dq1, is_async=True)
+            dq, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq1))
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        gl.thread_barrier()  # both warpgroups are done with this stage
+        _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES, kv_row0, n_tiles, BLOCK_N,
+                      STAGES, D_QK0, SPLIT)
+        return dq, dq1
+
+    @gluon.jit
+    def _dq_gluon(
+        q_desc, q1_desc, do_desc, k_desc, k1_desc, v_desc, LSE, DELTA, DQ,
+        qk_scale, scale, M, N, H, HK,
+        D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        if CAUSAL:  # the longest row blocks first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        i_b = pid_bh // H
+        i_h = pid_bh % H
+        i_hk = i_h // (H // HK)
+        q_row0 = pid_bh * M + pid_m * BLOCK_M
+        kv_row0 = (i_b * HK + i_hk) * N
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_QK0, 16])
+        dqa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        SPLIT: gl.constexpr = D_QK1 > 0
+        dtype: gl.constexpr = q_desc.dtype
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK0], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK0], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
+        if SPLIT:
+            dq1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, D_QK1, 16])
+            dq1a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq1_layout, k_width=2)
+            q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK1], q1_desc.layout)
+            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK1], k1_desc.layout)
+        else:
+            dq1_layout: gl.constexpr = dq_layout
+            dq1a_layout: gl.constexpr = dqa_layout
+            q1_smem = q_smem
+            k1_smem = k_smem
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        kv_end = N
+        if CAUSAL:  # keys the block's last row sees (bottom-right)
+            kv_end = gl.maximum(gl.minimum(N, (pid_m + 1) * BLOCK_M + (N - M)), 0)
+        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        # Tiles below n_full are seen whole by every row of the block and lie below N: no mask.
+        n_full = n_tiles - 1
+        if CAUSAL:
+            n_full = gl.minimum(n_full, gl.maximum(pid_m * BLOCK_M + (N - M) + 1, 0) // BLOCK_N)
+        n_full = gl.maximum(n_full, 0)
+
+        if SPLIT:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q1_desc, [q_row0, D_QK0], q_bar, q1_smem)
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [q_row0, 0], q_bar, do_smem)
+        for i in gl.static_range(STAGES):
+            _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N,
+                          STAGES, D_QK0, SPLIT)
+
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        stat = pid_bh.to(gl.int64) * M
+        lse = gl.load(LSE + stat + o_m, mask=o_m < M, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # P = 0 for empty rows
+        delta = gl.load(DELTA + stat + o_m, mask=o_m < M, other=0.0)
+        dq = gl.zeros([BLOCK_M, D_QK0], gl.float32, layout=dq_layout)
+        dq1 = gl.zeros([BLOCK_M, D_QK1 if SPLIT else D_QK0], gl.float32, layout=dq1_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bar, 0)
+        for j in range(0, n_full):
+            dq, dq1 = _dq_step(j, dq, dq1, q_smem, q1_smem, do_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
+                               v_desc, kv_row0, n_tiles, lse2, delta, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                               dqa_layout, dq1a_layout, BLOCK_N, STAGES, CAUSAL, False, D_QK0, SPLIT)
+        for j in range(n_full, n_tiles):
+            dq, dq1 = _dq_step(j, dq, dq1, q_smem, q1_smem, do_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc,
+                               v_desc, kv_row0, n_tiles, lse2, delta, o_m, o_n, M, N, qk_scale, s_zero, dtype,
+                               dqa_layout, dq1a_layout, BLOCK_N, STAGES, CAUSAL, True, D_QK0, SPLIT)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        d_qk: gl.constexpr = D_QK0 + D_QK1
+        o_mq = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        o_dq = gl.arange(0, D_QK0, layout=gl.SliceLayout(0, dq_layout))
+        rows = (stat + o_mq.to(gl.int64))[:, None] * d_qk
+        gl.store(DQ + rows + o_dq[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=(o_mq < M)[:, None])
+        if SPLIT:
+            o_mq1 = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq1_layout))
+            o_dq1 = D_QK0 + gl.arange(0, D_QK1, layout=gl.SliceLayout(0, dq1_layout))
+            rows1 = (stat + o_mq1.to(gl.int64))[:, None] * d_qk
+            gl.store(DQ + rows1 + o_dq1[None, :], (dq1 * scale).to(DQ.dtype.element_ty), mask=(o_mq1 < M)[:, None])
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`dkdv_gluon` takes these inputs (else the Triton dK/dV kernel runs)."""
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -256,3 +414,36 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
         num_warps=num_warps,
     )
     return dk, dv
+
+
+def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
+             stages: int = 3, num_warps: int = 8):
+    """Fill dq [B, H, M, Dqk] (contiguous) from q, k, v, do, lse and delta as in :func:`dkdv_gluon`.
+
+    Not routed by default: ``triton_bwd.GLUON_DQ`` (``MLA_ATTN_GLUON_DQ=1``) turns it on, until the H200
+    has checked and timed it. Tiles: 128 rows (two warpgroups), 64-key tiles, 3 stages (sm_90a: 172
+    registers and 164 KB at d 128, 220 and 205 KB at 192/128, no spills, no C75xx)."""
+    b, h, m, d_qk = q.shape
+    hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    assert dq.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    d0, d1 = _split_head_dim(d_qk)
+    q2 = _tma_ready(q).view(b * h * m, d_qk)
+    do2 = _tma_ready(do).view(b * h * m, d_v)
+    k2 = _tma_ready(k).view(b * hk * n, d_qk)
+    v2 = _tma_ready(v).view(b * hk * n, d_v)
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+
+    q_desc, do_desc = desc(q2, block_m, d0), desc(do2, block_m, d_v)
+    k_desc, v_desc = desc(k2, block_n, d0), desc(v2, block_n, d_v)
+    q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
+    grid = ((m + block_m - 1) // block_m, b * h)
+    _dq_gluon[grid](
+        q_desc, q1_desc, do_desc, k_desc, k1_desc, v_desc, lse, delta, dq,
+        scale * _LOG2E, scale, m, n, h, hk,
+        D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        num_warps=num_warps,
+    )
+    return dq

@@ -29,6 +29,8 @@ from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallbac
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
 # the Triton one (as it keeps the Triton forward, function.py).
 GLUON_DKDV = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
+# The Gluon dQ pass (gluon_bwd.dq_gluon) has not run on a GPU yet: off unless MLA_ATTN_GLUON_DQ=1.
+GLUON_DQ = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_DQ", "0") == "1"
 
 
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
@@ -392,14 +394,17 @@ def flash_attn_bwd(
 
     # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
     # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
-    dkdv_done = (dkdv_config is None and GLUON_DKDV and q.is_cuda
-                 and all(t.is_contiguous() for t in (q, k, v, do)))
-    if dkdv_done:
+    gluon_ok = q.is_cuda and all(t.is_contiguous() for t in (q, k, v, do))
+    if gluon_ok:
         from . import gluon_bwd
 
-        dkdv_done = gluon_bwd.supported(q, k, v)
-        if dkdv_done:
-            gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale)
+        gluon_ok = gluon_bwd.supported(q, k, v)
+    dkdv_done = gluon_ok and dkdv_config is None and GLUON_DKDV
+    if dkdv_done:
+        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale)
+    dq_done = gluon_ok and dq_config is None and GLUON_DQ
+    if dq_done:
+        gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
 
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg
@@ -435,6 +440,7 @@ def flash_attn_bwd(
     if not dkdv_done:
         launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
                              pinned=dkdv_config is not None)
-    launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
-                         pinned=dq_config is not None)
+    if not dq_done:
+        launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
+                             pinned=dq_config is not None)
     return dq, dk, dv
