@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
+    ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -106,7 +107,8 @@ def main():
         ptrs = {"q_desc": desc(a, d0), "k_desc": desc(b, d0), "q1_desc": desc(a, d1 or d0), "k1_desc": desc(b, d1 or d0),
                 "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
-                     PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, num_warps=warps)
+                     PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
+                     num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("gluon_dkdv", "gluon_dq"):  # the Gluon backward passes (gluon_bwd.py)
         from triton.experimental.gluon import language as gl

@@ -174,3 +174,25 @@ def test_gluon_dq_matches_oracle(case, monkeypatch):
     monkeypatch.setattr(triton_bwd, "GLUON_DQ", True)
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls, "the Gluon dQ pass did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [(2, 8, 2, 300, 333, 128, 128, True), (2, 4, 4, 257, 257, 192, 128, True),
+                                  (1, 6, 3, 130, 65, 64, 64, True), (3, 4, 1, 200, 180, 128, 128, False)],
+                         ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*c[:7], "causal" if c[7] else "full"))
+def test_gluon_forward_token_major(case):
+    """[B, L, H, D] tensors seen through transpose(1, 2), read in place (token_major): tiles past a
+    sequence's end read the next sequence's rows, which must stay masked. v as a slice of a wider
+    [B, N, H, Dk + Dv] tensor (MLA's kv) is copied instead."""
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    scale = dqk ** -0.5
+    dt = torch.bfloat16
+    q = torch.randn(b, m, hq, dqk, device="cuda").to(dt).transpose(1, 2)
+    k = torch.randn(b, n, hkv, dqk, device="cuda").to(dt).transpose(1, 2)
+    kv = torch.randn(b, n, hkv, dqk + dv, device="cuda").to(dt)
+    for v in (torch.randn(b, n, hkv, dv, device="cuda").to(dt).transpose(1, 2), kv[..., dqk:].transpose(1, 2)):
+        o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=True)
+        o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+        assert_close(o, o_ref, floor=dtype_floor(dt), baseline=_torch_same_dtype(q, k, v, causal, scale), name="o")
+        assert_lse_close(lse, lse_ref, atol=LSE_ATOL[dt])

@@ -25,12 +25,22 @@ def _unit_last(t: Tensor) -> Tensor:
 # The Gluon forward (gluon_fwd.py: Hopper, bf16/fp16, head dims it supports) replaces the Triton one
 # where it applies; MLA_ATTN_GLUON=0 in the environment keeps the Triton forward everywhere.
 GLUON_FORWARD = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
+# [B, L, H, D] tensors seen as [B, H, L, D] (the layers' transposes) read in place by the Gluon forward:
+# written, not yet run on a GPU, so off unless MLA_ATTN_GLUON_TOKEN_MAJOR=1.
+GLUON_TOKEN_MAJOR = GLUON_FORWARD and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "0") == "1"
+
+
+def _token_major(t: Tensor) -> bool:
+    return t.transpose(1, 2).is_contiguous()
 
 
 def _gluon_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    # Contiguous [B, H, L, D] only: its TMA descriptors would need a copy of a strided view (the layers'
-    # [B, L, H, D] transposes), which costs more than the kernel gains; the Triton kernel reads strides.
-    if not (GLUON_FORWARD and q.is_cuda and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    # Contiguous [B, H, L, D] (or, with GLUON_TOKEN_MAJOR, [B, L, H, D] transposes): any other strided
+    # view would need a copy for TMA, which costs more than the kernel gains; the Triton kernel reads
+    # strides.
+    if not (GLUON_FORWARD and q.is_cuda):
+        return False
+    if not all(t.is_contiguous() or (GLUON_TOKEN_MAJOR and _token_major(t)) for t in (q, k, v)):
         return False
     from . import gluon_fwd
 
@@ -42,7 +52,7 @@ def _flash_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
     if _gluon_takes(q, k, v):
         from .gluon_fwd import flash_fwd_gluon
 
-        return flash_fwd_gluon(q, k, v, causal=causal, scale=scale)
+        return flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=GLUON_TOKEN_MAJOR)
     return flash_attn_fwd(_unit_last(q), _unit_last(k), _unit_last(v), causal, scale)
 
 

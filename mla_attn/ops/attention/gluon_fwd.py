@@ -98,11 +98,15 @@ if AVAILABLE:
                             pred=pred)
         else:
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [kv_row0 + tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+        # kv_row0 = (K's first row, K's first column, V's first row, V's first column) of this head in the
+        # 2-D views (a [B, H, L, D] tensor as [B * H * L, D], or a [B, L, H, D] one as [B * L, H * D]).
+        k_row = kv_row0[0] + tile * BLOCK_N
+        v_row = kv_row0[2] + tile * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [k_row, kv_row0[1]], bar, k_smem.index(stage), pred=pred)
         if SPLIT:  # the key columns past the first power of two (Dqk 192 = 128 + 64)
-            tma.async_copy_global_to_shared(k1_desc, [kv_row0 + tile * BLOCK_N, D_QK0], bar, k1_smem.index(stage),
+            tma.async_copy_global_to_shared(k1_desc, [k_row, kv_row0[1] + D_QK0], bar, k1_smem.index(stage),
                                             pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [kv_row0 + tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [v_row, kv_row0[3]], bar, v_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _qk(q_smem, q1_smem, k_smem, k1_smem, stage, s_zero, SPLIT: gl.constexpr):
@@ -178,10 +182,11 @@ if AVAILABLE:
     def _flash_fwd_gluon(
         q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
         qk_scale, M, N, H, HK,
+        Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -193,8 +198,16 @@ if AVAILABLE:
         i_b = pid_bh // H
         i_h = pid_bh % H
         i_hk = i_h // (H // HK)
-        q_row0 = pid_bh * M + pid_m * BLOCK_M  # rows of the [B * H * M, Dqk] view
-        kv_row0 = (i_b * HK + i_hk) * N  # rows of the [B * HK * N, D] views
+        # Row and column of this program's first tile in each 2-D view: row = b * RB + h * RH + position,
+        # column = h * CH (see flash_fwd_gluon: head-major [B, H, L, D] or token-major [B, L, H, D]).
+        if TOKEN_MAJOR:
+            q_row0 = i_b * Q_RB + i_h * Q_RH + pid_m * BLOCK_M
+            q_col0 = i_h * Q_CH
+            kv_row0 = (i_b * K_RB + i_hk * K_RH, i_hk * K_CH, i_b * V_RB + i_hk * V_RH, i_hk * V_CH)
+        else:  # all three head-major: the arithmetic the H200 checked in session 12
+            q_row0 = pid_bh * M + pid_m * BLOCK_M
+            q_col0 = 0
+            kv_row0 = ((i_b * HK + i_hk) * N, 0, (i_b * HK + i_hk) * N, 0)
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -230,10 +243,10 @@ if AVAILABLE:
 
         if SPLIT:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q1_desc, [q_row0, D_QK0], q_bar, q1_smem)
+            tma.async_copy_global_to_shared(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
         else:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, q_col0], q_bar, q_smem)
         for i in gl.static_range(STAGES - 1):
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
                      D_QK0, SPLIT)
@@ -352,6 +365,20 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and _split_head_dim(d_qk) is not None and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
 
 
+def _tma_view(t: torch.Tensor, token_major: bool):
+    """(2-D view for a TMA descriptor, row stride per batch, row stride per head, column stride per head)
+    of t [B, H, L, D]: a head-major tensor as [B * H * L, D] (row = (b * H + h) * L + pos), or with
+    ``token_major`` a view whose [B, L, H, D] transpose is contiguous (the layers' layout) as
+    [B * L, H * D] (row = b * L + pos, column = h * D), without a copy. Anything else is copied to
+    head-major. A tile past L reads the next head's or sequence's rows: the kernel masks keys >= N
+    and never stores rows >= M."""
+    b, h, length, d = t.shape
+    if token_major and t.stride(-1) == 1 and t.transpose(1, 2).is_contiguous() and t.data_ptr() % 16 == 0 \
+            and not t.is_contiguous():
+        return t.transpose(1, 2).view(b * length, h * d), length, 0, d
+    return _tma_ready(t).view(b * h * length, d), h * length, length, 0
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t contiguous with a 16-byte aligned start (TMA descriptors need both); copies only if not."""
     t = t.contiguous()
@@ -372,11 +399,13 @@ def _split_head_dim(d: int):
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
-                    q_in_regs: bool | None = None):
-    """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] (made contiguous) -> (o [B, H, M, Dv], lse [B, H, M]).
+                    q_in_regs: bool | None = None, token_major: bool = False):
+    """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
-    Experimental: see the module docstring. Causal is aligned to the bottom right (query i sees keys
-    j <= i + N - M).
+    See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
+    Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``, not yet
+    checked on a GPU) unless they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are
+    read in place through [B * L, H * D] descriptors.
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -403,9 +432,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     lse = triton_fwd._alloc((b, h, m), q.device, torch.float32)
     if o.numel() == 0 or n == 0:  # no rows, or no keys: every row is empty (o = 0, lse = -inf)
         return o.zero_(), lse.fill_(float("-inf"))
-    q2 = _tma_ready(q).view(b * h * m, d_qk)
-    k2 = _tma_ready(k).view(b * hk * n, d_qk)
-    v2 = _tma_ready(v).view(b * hk * n, d_v)
+    (q2, q_rb, q_rh, q_ch), (k2, k_rb, k_rh, k_ch), (v2, v_rb, v_rh, v_ch) = (
+        _tma_view(q, token_major), _tma_view(k, token_major), _tma_view(v, token_major))
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
 
@@ -417,8 +445,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     grid = ((m + block_m - 1) // block_m, b * h)
     _flash_fwd_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
+        q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, num_warps=num_warps,
+        PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
     )
     return o, lse
