@@ -218,6 +218,35 @@ def bench_gluon(out=None):
                         f"{fb['sdpa'] / fb['gluon']:.2f} |")
         print(lines_fb[-1], flush=True)
         torch.cuda.empty_cache()
+    # The layers' layout: [B, L, H, D] tensors seen through transpose(1, 2). The Gluon forward reads them in
+    # place with token_major=True (off in the router until checked); Triton reads strides; SDPA the same views.
+    lines_tm = []
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(b, hq, hkv, n, dqk, dv))
+        if not gluon_fwd.supported(q, k, v):
+            continue
+        scale = dqk ** -0.5
+        flops = 2 * b * hq * n * n * (dqk + dv) / 2
+        try:
+            ref = _sdpa(q, k, v, scale)
+            o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, token_major=True)
+            err = (o.float() - ref.float()).abs().max().item()
+            t_g, t_s = _ms_pair(lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, token_major=True),
+                                lambda: _sdpa(q, k, v, scale))
+            function.GLUON_FORWARD = False
+            t_t = _ms(lambda: _ours(q, k, v, scale))
+            function.GLUON_FORWARD = True
+            g = f"{flops / t_g / 1e9:.0f}" if err < 0.05 else f"wrong ({err:.1e})"
+            lines_tm.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {g} | {flops / t_t / 1e9:.0f} | "
+                            f"{flops / t_s / 1e9:.0f} |")
+        except Exception as e:  # report, go on
+            function.GLUON_FORWARD = True
+            lines_tm.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | failed: {type(e).__name__}: {str(e)[:100]} | | |")
+        print(lines_tm[-1], flush=True)
+        torch.cuda.empty_cache()
+    lines += ["", "Forward on token-major views ([B, L, H, D] through transpose(1, 2), the layers' layout), TFLOP/s",
+              "", "| B | Hq/Hkv | L | Dqk/Dv | Gluon, token_major | Triton (strides) | SDPA |", "|---|---|---|---|---|---|---|"]
+    lines += lines_tm
     lines += ["", "fwd+bwd TFLOP/s (3.5 x forward FLOPs): Gluon forward + Gluon dK/dV + Triton dQ, all-Triton, SDPA",
               "", "| B | Hq/Hkv | L | Dqk/Dv | Gluon | Triton | SDPA | Gluon / SDPA |", "|---|---|---|---|---|---|---|---|"]
     lines += lines_fb
