@@ -258,16 +258,57 @@ def bench_gluon(out=None):
             f.write(text)
 
 
+def bench_gluon_ws(out=None):
+    """Forward only: the experimental warp-specialised Gluon kernel (gluon_fwd_ws.py) against the Gluon
+    forward in use and SDPA, on the rows it takes (Dqk = Dv <= 128), each variant checked against SDPA."""
+    from mla_attn.ops.attention import gluon_fwd, gluon_fwd_ws
+
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | ws TF/s | SDPA TF/s | Gluon (in use) TF/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
+        if not gluon_fwd_ws.supported(q, k, v):
+            continue
+        scale = dqk ** -0.5
+        flops = 2 * b * hq * n * n * (dqk + dv) / 2
+        ref = _sdpa(q, k, v, scale)
+        t_g = _ms(lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale))
+        for name, kw in [("bn128 s2 (default)", {}), ("bn64 s3", dict(block_n=64, stages=3)),
+                         ("bn128 s2, consumers 240 regs", dict(consumer_regs=240))]:
+            try:
+                o, _ = gluon_fwd_ws.flash_fwd_ws(q, k, v, causal=True, scale=scale, **kw)
+                err = (o.float() - ref.float()).abs().max().item()
+                t, t_s = _ms_pair(lambda kw=kw: gluon_fwd_ws.flash_fwd_ws(q, k, v, causal=True, scale=scale, **kw),
+                                  lambda: _sdpa(q, k, v, scale))
+            except Exception as e:  # report, go on
+                print(f"ws {name} B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            ok = err < 0.05
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {name} | {err:.1e} | "
+                         f"{flops / t / 1e9 if ok else float('nan'):.0f} | {flops / t_s / 1e9:.0f} | "
+                         f"{flops / t_g / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
-    ap.add_argument("--gluon", metavar="OUT", help="only: time the experimental Gluon forward, table to OUT")
+    ap.add_argument("--gluon", metavar="OUT", help="only: time the Gluon kernels' variants, table to OUT")
+    ap.add_argument("--gluon-ws", metavar="OUT", help="only: time the experimental warp-specialised forward")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     if args.gluon:
         bench_gluon(args.gluon)
+        return
+    if args.gluon_ws:
+        bench_gluon_ws(args.gluon_ws)
         return
     if args.sweep:
         sweep()

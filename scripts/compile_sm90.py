@@ -34,7 +34,7 @@ UNIT_STRIDES = ("stride_q1d", "stride_q2d", "stride_k1d", "stride_k2d", "stride_
                 "stride_btp", "stride_qd", "stride_kd")  # 1 at every launch: Triton specialises them
 
 
-def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambda name: False):
+def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambda name: False, maxnreg=None):
     names = list(inspect.signature(fn.fn).parameters)
     const = dict(const)
     for n in names:
@@ -58,7 +58,10 @@ def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambd
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _ptxas() -> str:
@@ -70,7 +73,7 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq"])
+    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
@@ -110,6 +113,19 @@ def main():
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
                      num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
+        from triton.experimental.gluon import language as gl
+
+        from mla_attn.ops.attention.gluon_fwd_ws import _flash_fwd_ws as fn
+
+        def desc(rows, cols):
+            return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+        ptrs = {"q_desc": desc(64, args.dqk), "k_desc": desc(b, args.dqk), "v_desc": desc(b, args.dv),
+                "O": "*bf16", "LSE": "*fp32"}
+        const = dict(D=args.dqk, D_V=args.dv, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full, CONSUMER_REGS=232,
+                     num_warps=warps)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"), maxnreg=168)
     elif args.kernel in ("gluon_dkdv", "gluon_dq"):  # the Gluon backward passes (gluon_bwd.py)
         from triton.experimental.gluon import language as gl
 

@@ -43,13 +43,23 @@ if [ "${ONLY:-}" = gluon ]; then
   exit $status
 fi
 # the GPU-marked tests (the Gluon forward's among them), and the layers' Triton wiring
-step "gpu tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+step "gpu tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon_ws.py 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+# The experimental warp-specialised forward: its own step with a short limit (a wrong mbarrier phase
+# hangs); a failure here is reported but does not fail the check, since nothing routes to it.
+ws_status=$status
+status=0
+step "gluon warp-specialised forward tests (experimental)" "$(lim 90)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon_ws.py 2>&1 | tee '$out/gpu_ws_tests.log' | tail -8; exit \${PIPESTATUS[0]}"
+ws_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
+status=$ws_status
 step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
 if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
 fi
 if [ "${SKIP_ATTN:-0}" != 1 ]; then
   step "bench gluon forward variants" "$(lim 100)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
+  if [ "$ws_ok" = 1 ]; then
+    step "bench warp-specialised forward (experimental)" "$(lim 60)" $PY scripts/bench_attention.py --gluon-ws "$out/bench_gluon_ws.md"
+  fi
 fi
 if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
   step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
