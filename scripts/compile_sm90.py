@@ -142,6 +142,8 @@ def main():
                 "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      num_warps=warps)
+        if args.kernel == "gluon_dkdv":
+            const["TOKEN_MAJOR"] = args.token_major
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
         from mla_attn.ops.attention import triton_bwd

@@ -196,3 +196,52 @@ def test_gluon_forward_token_major(case):
         o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
         assert_close(o, o_ref, floor=dtype_floor(dt), baseline=_torch_same_dtype(q, k, v, causal, scale), name="o")
         assert_lse_close(lse, lse_ref, atol=LSE_ATOL[dt])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [(2, 8, 2, 300, 333, 128, 128, True), (2, 4, 4, 257, 257, 192, 128, True),
+                                  (1, 4, 1, 130, 65, 64, 64, False)],
+                         ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*c[:7], "causal" if c[7] else "full"))
+def test_token_major_through_the_op(case, monkeypatch):
+    """The layers' layout with MLA_ATTN_GLUON_TOKEN_MAJOR on (off by default until this passes): the
+    Gluon forward and dK/dV pass read [B, L, H, D] tensors in place; output and gradients against the
+    float64 oracle."""
+    import mla_attn
+    from mla_attn.ops.attention import function, triton_bwd
+
+    monkeypatch.setattr(function, "GLUON_TOKEN_MAJOR", True)
+    monkeypatch.setattr(triton_bwd, "GLUON_TOKEN_MAJOR", True)
+    calls = {"fwd": 0, "dkdv": 0}
+    real_f, real_b = gluon_fwd.flash_fwd_gluon, gluon_bwd.dkdv_gluon
+
+    def fwd(*a, **kw):
+        calls["fwd"] += bool(kw.get("token_major"))
+        return real_f(*a, **kw)
+
+    def dkdv(*a, **kw):
+        calls["dkdv"] += bool(kw.get("token_major"))
+        return real_b(*a, **kw)
+
+    monkeypatch.setattr(gluon_fwd, "flash_fwd_gluon", fwd)
+    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", dkdv)
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    dt, scale = torch.bfloat16, dqk ** -0.5
+    xs = [torch.randn(b, m, hq, dqk, device="cuda").to(dt), torch.randn(b, n, hkv, dqk, device="cuda").to(dt),
+          torch.randn(b, n, hkv, dv, device="cuda").to(dt)]
+    w = torch.randn(b, m, hq, dv, device="cuda").to(dt)  # dO = w.transpose(1, 2): token-major too
+    leaves = [x.clone().requires_grad_() for x in xs]
+    o = mla_attn.ops.attention(*(t.transpose(1, 2) for t in leaves), causal=causal, scale=scale, impl="triton")
+    (o.transpose(1, 2).float() * w.float()).sum().backward()
+    assert calls == {"fwd": 1, "dkdv": 1}, calls
+    ref_leaves = [x.double().requires_grad_() for x in xs]
+    o_ref, _ = attention_oracle(*(t.transpose(1, 2) for t in ref_leaves), causal=causal, scale=scale)
+    (o_ref.transpose(1, 2) * w.double()).sum().backward()
+    base_leaves = [x.clone().requires_grad_() for x in xs]
+    o_base = _torch_same_dtype(*(t.transpose(1, 2) for t in base_leaves), causal, scale)
+    (o_base.transpose(1, 2).float() * w.float()).sum().backward()
+    floor = dtype_floor(dt)
+    assert_close(o, o_ref, floor=floor, baseline=o_base, name="o")
+    for name, got, want, base in zip(("dq", "dk", "dv"), leaves, ref_leaves, base_leaves):
+        assert torch.isfinite(got.grad).all(), name
+        assert_close(got.grad, want.grad, floor=5 * floor, baseline=base.grad, name=name)

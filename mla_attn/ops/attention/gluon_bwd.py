@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_fwd import _split_head_dim, _tma_ready
+from .gluon_fwd import _split_head_dim, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -53,37 +53,61 @@ if AVAILABLE:
     @gluon.jit
     def _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t, n_rt, rt0, M, H, i_b, i_hk,
                    GROUP_N, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr,
-                   SPLIT: gl.constexpr, n_tiles):
+                   SPLIT: gl.constexpr, n_tiles, lay, TOKEN_MAJOR: gl.constexpr):
         """Start the TMA loads of flat row tile t (query head g = t // n_rt of the group, row tile
-        rt0 + t % n_rt) into ring stage t % STAGES; a no-op past the last tile."""
+        rt0 + t % n_rt) into ring stage t % STAGES; a no-op past the last tile. TOKEN_MAJOR: lay = (row
+        stride per batch, per head, column stride per head) of q's and dO's 2-D views, as in
+        gluon_fwd._tma_view."""
         stage = t % STAGES
         pred = t < n_tiles
         g = t // gl.maximum(n_rt, 1)
-        row = ((i_b * H + i_hk * GROUP_N + g) * M + (rt0 + t % gl.maximum(n_rt, 1)) * BLOCK_M)
+        pos = (rt0 + t % gl.maximum(n_rt, 1)) * BLOCK_M
+        hq = i_hk * GROUP_N + g
+        if TOKEN_MAJOR:
+            row = i_b * lay[0] + hq * lay[1] + pos
+            col = hq * lay[2]
+            do_row = i_b * lay[3] + hq * lay[4] + pos
+            do_col = hq * lay[5]
+        else:  # head-major: the arithmetic the H200 checked in session 12
+            row = (i_b * H + hq) * M + pos
+            col = 0
+            do_row = row
+            do_col = 0
         bar = bars.index(stage)
         if SPLIT:
             mbarrier.expect(bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes + do_desc.block_type.nbytes,
                             pred=pred)
         else:
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_smem.index(stage), pred=pred)
         if SPLIT:
-            tma.async_copy_global_to_shared(q1_desc, [row, D_QK0], bar, q1_smem.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
+            tma.async_copy_global_to_shared(q1_desc, [row, col + D_QK0], bar, q1_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _dkdv_gluon(
         q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         qk_scale, scale, M, N, H, HK, GROUP_N,
+        Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         i_b = pid_bh // HK
         i_hk = pid_bh % HK
         n0 = pid_n * BLOCK_N
-        kv_row0 = pid_bh * N + n0  # rows of the [B * HK * N, D] views
+        lay = (Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH)
+        if TOKEN_MAJOR:  # rows / columns of this program's keys in the 2-D views (gluon_fwd._tma_view)
+            kv_row0 = i_b * K_RB + i_hk * K_RH + n0
+            k_col0 = i_hk * K_CH
+            v_row0 = i_b * V_RB + i_hk * V_RH + n0
+            v_col0 = i_hk * V_CH
+        else:  # head-major [B * HK * N, D] views
+            kv_row0 = pid_bh * N + n0
+            k_col0 = 0
+            v_row0 = kv_row0
+            v_col0 = 0
         shift = N - M
 
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -122,14 +146,14 @@ if AVAILABLE:
 
         if SPLIT:
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k1_desc, [kv_row0, D_QK0], kv_bar, k1_smem)
+            tma.async_copy_global_to_shared(k1_desc, [kv_row0, k_col0 + D_QK0], kv_bar, k1_smem)
         else:
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row0, 0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row0, 0], kv_bar, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [v_row0, v_col0], kv_bar, v_smem)
         for i in gl.static_range(STAGES):
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
-                       GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles)
+                       GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
 
         dk = gl.zeros([BLOCK_N, D_QK0], gl.float32, layout=dk_layout)
         if SPLIT:
@@ -180,7 +204,7 @@ if AVAILABLE:
             # Both warpgroups are done with this stage once every thread passes here: refill it.
             gl.thread_barrier()
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
-                       i_hk, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles)
+                       i_hk, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
@@ -383,7 +407,7 @@ def _tiles(d_qk: int) -> tuple[int, int]:
 
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int | None = None,
-               block_n: int = 128, stages: int | None = None, num_warps: int = 8):
+               block_n: int = 128, stages: int | None = None, num_warps: int = 8, token_major: bool = False):
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
@@ -395,10 +419,9 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
-    q2 = _tma_ready(q).view(b * h * m, d_qk)
-    do2 = _tma_ready(do).view(b * h * m, d_v)
-    k2 = _tma_ready(k).view(b * hk * n, d_qk)
-    v2 = _tma_ready(v).view(b * hk * n, d_v)
+    views = [_tma_view(t, token_major) for t in (q, do, k, v)]
+    (q2, *_), (do2, *_), (k2, *_), (v2, *_) = views
+    lay = [x for vw in views for x in vw[1:]]  # (RB, RH, CH) of q, do, k, v
 
     def desc(t, rows, cols):
         return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
@@ -409,9 +432,9 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     grid = ((n + block_n - 1) // block_n, b * hk)
     _dkdv_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, lse, delta, dk, dv,
-        scale * _LOG2E, scale, m, n, h, hk, h // hk,
+        scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        num_warps=num_warps,
+        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps,
     )
     return dk, dv
 

@@ -31,6 +31,9 @@ from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallbac
 GLUON_DKDV = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
 # The Gluon dQ pass (gluon_bwd.dq_gluon) has not run on a GPU yet: off unless MLA_ATTN_GLUON_DQ=1.
 GLUON_DQ = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_DQ", "0") == "1"
+# Token-major inputs ([B, L, H, D] seen through transpose(1, 2), the layers' layout) read in place by the
+# Gluon dK/dV pass: not yet run on a GPU, off unless MLA_ATTN_GLUON_TOKEN_MAJOR=1 (as the forward's).
+GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "0") == "1"
 
 
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
@@ -394,15 +397,19 @@ def flash_attn_bwd(
 
     # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
     # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
-    gluon_ok = q.is_cuda and all(t.is_contiguous() for t in (q, k, v, do))
+    contiguous = all(t.is_contiguous() for t in (q, k, v, do))
+    token_major = GLUON_TOKEN_MAJOR and all(t.is_contiguous() or t.transpose(1, 2).is_contiguous()
+                                            for t in (q, k, v, do))
+    gluon_ok = q.is_cuda and (contiguous or token_major)
     if gluon_ok:
         from . import gluon_bwd
 
         gluon_ok = gluon_bwd.supported(q, k, v)
     dkdv_done = gluon_ok and dkdv_config is None and GLUON_DKDV
     if dkdv_done:
-        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale)
-    dq_done = gluon_ok and dq_config is None and GLUON_DQ
+        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,
+                             token_major=not contiguous)
+    dq_done = gluon_ok and contiguous and dq_config is None and GLUON_DQ
     if dq_done:
         gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
 
