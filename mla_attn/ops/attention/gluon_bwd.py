@@ -20,16 +20,20 @@ Nothing is in flight at the loop's back edge (ptxas C7514). The softmax statisti
 forward: lse (natural log, -inf for rows that see no key) and delta = rowsum(dO * O) - dlse. Rows past
 M read lse = +inf, so their P is exactly 0; rows TMA fetches past the tensor's end are zero.
 
-Scope: bf16/fp16, Dqk a power of two or 128 + 64 (MLA expanded 192), Dv 64 or 128. The dQ pass
-(``dq_gluon``, the same schedule with the roles of queries and keys swapped: a program owns 128 rows,
-K/V tiles stream by TMA) is written and compiles clean for sm_90a but has not run on a GPU, so it is
-off unless ``MLA_ATTN_GLUON_DQ=1``; by default the dQ pass stays on Triton. ``triton_bwd.flash_attn_bwd`` routes here where ``supported`` says so (``MLA_ATTN_GLUON=0``
-opts out).
+Scope: bf16/fp16, Dqk a power of two or 128 + 64 (MLA expanded 192), Dv 64 or 128, contiguous
+[B, H, L, D] inputs. ``triton_bwd.flash_attn_bwd`` routes here where ``supported`` says so
+(``MLA_ATTN_GLUON=0`` opts out).
 
-Status (2026-12-03, session 12): it passes the oracle on the H200. That covers the 10 tests in
-tests/ops/test_attention_gluon.py at both tile choices, and every flash GPU test through the public op.
-fwd+bwd (Gluon forward, this pass, Triton dQ) reads 377 / 375 / 322 / 341 TFLOP/s on the benchmark
+Status (2026-12-03, session 12): the dK/dV pass passes the oracle on the H200 (10 tests in
+tests/ops/test_attention_gluon.py at both tile choices, and every flash GPU test through the public
+op). fwd+bwd (Gluon forward, this pass, Triton dQ) reads 377 / 375 / 322 / 341 TFLOP/s on the benchmark
 rows, against 351 / 366 / 310 / 295 all-Triton (docs/benchmarks.md).
+
+Written and compiled clean for sm_90a, but not yet run on a GPU, so off by default:
+- ``dq_gluon`` (``MLA_ATTN_GLUON_DQ=1``). The same schedule with the roles of queries and keys
+  swapped: a program owns 128 rows, and K/V tiles stream by TMA.
+- ``token_major=True`` in ``dkdv_gluon`` (``MLA_ATTN_GLUON_TOKEN_MAJOR=1``). It reads the layers'
+  [B, L, H, D] tensors in place. A constexpr keeps the head-major code identical.
 """
 
 from __future__ import annotations
