@@ -258,6 +258,42 @@ def _sweep_configs_gqa(group):
     return {"n64w4s4c2": C(16, 64, 4, 4, 2), "n128w4s3c2": C(16, 128, 4, 3, 2)}
 
 
+def bench_gluon_mla(out):
+    """The experimental Gluon MLA decode microkernel (ops/decode/gluon_mla.py: one program per 64 heads
+    and sequence, no split, contiguous cache) against the Triton kernel, graph replays, H = 128, checked
+    against the Triton output first."""
+    from mla_attn.ops import decode as decode_ops
+    from mla_attn.ops.decode import gluon_mla
+
+    gen = torch.Generator().manual_seed(0)
+    lines = ["| B | H | L | Triton us | Triton TF/s | Gluon us | Gluon TF/s | max abs diff |", "|---|---|---|---|---|---|---|---|"]
+    for b, h, length in [(128, 128, 8192), (64, 128, 4096), (132, 64, 4096)]:
+        seq_lens = _varlen(b, length, gen, "cuda")
+        buf = torch.randn(b, length, 576, generator=gen).to("cuda", torch.bfloat16)
+        ql = torch.randn(b, h, 512, generator=gen).to("cuda", torch.bfloat16)
+        qr = torch.randn(b, h, 64, generator=gen).to("cuda", torch.bfloat16)
+        scale = 192 ** -0.5
+        flops = 2.0 * h * int(seq_lens.sum()) * (576 + 512)
+
+        def tri():
+            return decode_ops.mla_decode(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, scale=scale, impl="triton")
+
+        def glu():
+            return gluon_mla.mla_decode_ws(ql, qr, buf, seq_lens, scale)[0]
+
+        try:
+            err = (glu().float() - tri().float()).abs().max().item()
+            t_t, t_g = _bench_graph(tri), _bench_graph(glu)
+            g = f"{t_g * 1e6:.1f} | {flops / t_g / 1e12:.0f}" if err < 0.05 else "wrong | -"
+            lines.append(f"| {b} | {h} | {length} | {t_t * 1e6:.1f} | {flops / t_t / 1e12:.0f} | {g} | {err:.1e} |")
+        except Exception as e:  # report, go on
+            lines.append(f"| {b} | {h} | {length} | failed: {type(e).__name__}: {str(e)[:120]} | | | | |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="markdown path; a .json with the same stem is written beside it")
@@ -269,9 +305,13 @@ def main():
                     help="with --graph: also time N steps over N cache copies in one graph, per step (0: off)")
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
+    ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the experimental Gluon MLA decode microkernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")
+    if args.gluon_mla:
+        bench_gluon_mla(args.gluon_mla)
+        return
     import triton
 
     gen = torch.Generator().manual_seed(0)

@@ -73,7 +73,8 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws"])
+    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws",
+                                           "gluon_mla"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
@@ -113,6 +114,18 @@ def main():
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
                      num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
+        from triton.experimental.gluon import language as gl
+
+        from mla_attn.ops.decode.gluon_mla import _mla_decode_ws as fn
+
+        def desc(rows, cols):
+            return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+        ptrs = {"q_desc": desc(64, 256), "qr_desc": desc(64, 64), "c_desc": desc(64, 256), "cr_desc": desc(64, 64),
+                "SEQ_LENS": "*i32", "O": "*bf16", "LSE": "*fp32"}
+        const = dict(STAGES=stages, CONSUMER_REGS=232, num_warps=warps)
+        kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=168)
     elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
         from triton.experimental.gluon import language as gl
 

@@ -47,20 +47,24 @@ fi
 # ~15 minutes, longer than one 10-minute device call: run it as these two calls there.
 part=${ONLY:-all}
 ws_ok=0
+mla_ok=0
 if [ "$part" = all ] || [ "$part" = tests ]; then
   # the GPU-marked tests (the Gluon kernels' among them), and the layers' Triton wiring
-  step "gpu tests" "$(lim 420)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon_ws.py 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "gpu tests" "$(lim 420)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 fi
 if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ]; then
-  # The experimental warp-specialised forward: its own step with a short limit (a wrong mbarrier phase
-  # hangs); a failure here is reported but does not fail the check, since nothing routes to it. The
-  # bench part runs it too, to decide whether to time it.
+  # The experimental warp-specialised kernels (the forward, the MLA decode microkernel): steps of their
+  # own with short limits (a wrong mbarrier phase hangs); a failure there is reported but does not fail
+  # the check, since nothing routes to them. The bench part runs them too, to decide whether to time them.
   ws_status=$status
   status=0
   step "gluon warp-specialised forward tests (experimental)" "$(lim 90)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon_ws.py 2>&1 | tee '$out/gpu_ws_tests.log' | tail -8; exit \${PIPESTATUS[0]}"
   ws_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
+  status=0
+  step "gluon MLA decode microkernel tests (experimental)" "$(lim 60)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py 2>&1 | tee '$out/gpu_gluon_mla_tests.log' | tail -8; exit \${PIPESTATUS[0]}"
+  mla_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
   status=$ws_status
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
@@ -73,6 +77,9 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   fi
   if [ -f scripts/bench_decode.py ] && [ "${SKIP_DECODE:-0}" != 1 ]; then
     step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
+    if [ "$mla_ok" = 1 ]; then
+      step "bench gluon MLA decode microkernel (experimental)" "$(lim 60)" $PY scripts/bench_decode.py --gluon-mla "$out/bench_gluon_mla.md"
+    fi
   fi
 fi
 echo "gpu_check status: $status"

@@ -1,0 +1,248 @@
+"""EXPERIMENTAL, never run, not routed: a warp-specialised absorbed-MLA decode microkernel in Gluon.
+
+A probe of the plan in README.md ("Where the absorbed MLA kernel stands"). It asks how fast a 64-row x
+64-key tile of the absorbed MLA decode runs on Hopper when the schedule is written out, before the
+split-KV, paging and varlen machinery of ``triton_decode.py`` is carried over. So the scope is narrow:
+- one new token per sequence;
+- H a multiple of 64;
+- a contiguous [B, N, 512 + 64] cache (latent and rope in one buffer, as the layers keep it);
+- no split: one program per (64 heads, sequence), which fills the GPU at B x H / 64 >= 132;
+- output normalised, with its LSE.
+
+Partitions (``gl.warp_specialize``, as ``ops/attention/gluon_fwd_ws.py``):
+- **A 1-warp TMA producer.** It loads Q once, as blocks of the latent's columns 0-255 and 256-511 plus
+  the rope's 64. Then it streams 64-key cache tiles, as the same three column blocks, through a
+  2-stage ring.
+- **Two 4-warp consumers.** Consumer c owns output columns [256 c, 256 c + 256). Each computes the
+  whole 64 x 64 score tile: three chained wgmmas over the three column blocks, Q and K from shared
+  memory. It then runs the whole softmax and issues P V over its own half of the latent. V is the
+  latent block already in shared memory for the scores, so nothing extra is loaded. The scores are
+  thus computed twice (a third more tensor work than the minimum). In exchange the consumers never
+  wait for each other's data, only for their turn to issue (two ``turn`` mbarriers, so that one's
+  softmax runs under the other's wgmmas).
+- **Within a consumer** the schedule is the forward's: S_t is issued beside P_{t-1} V_{t-1}, the
+  softmax of S_t runs under P_{t-1} V_{t-1}, then the stage of tile t - 1 is released.
+- **Unused cache slots may hold NaN.** TMA loads them with the last tile. Their scores are masked,
+  but 0 x NaN is NaN inside a wgmma, so each consumer zeroes those rows of its value half in shared
+  memory before the last P V.
+
+Shared memory: Q 72 KB plus 2 x 72 KB of ring, 216 KB. Local sm_90a compile: ``scripts/compile_sm90.py
+gluon_mla``. GPU test: ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a
+hang-guarded step. Timing against the Triton kernel: ``scripts/bench_decode.py --gluon-mla``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+_LOG2E = 1.4426950408889634
+DC, DR, HALF = 512, 64, 256
+BLOCK_H, BLOCK_N = 64, 64
+
+if AVAILABLE:
+    @gluon.jit
+    def _producer(q_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0,
+                  n_tiles, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, qa)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, 256], q_bar, qb)
+        tma.async_copy_global_to_shared(qr_desc, [q_row0, 512], q_bar, qr)
+        for t in range(n_tiles):
+            s = t % STAGES
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + cr_desc.block_type.nbytes)
+            row = c_row0 + t * 64
+            tma.async_copy_global_to_shared(c_desc, [row, 0], bar, ka.index(s))
+            tma.async_copy_global_to_shared(c_desc, [row, 256], bar, kb.index(s))
+            tma.async_copy_global_to_shared(cr_desc, [row, 512], bar, kr.index(s))
+
+    @gluon.jit
+    def _scores(qa, qb, qr, ka, kb, kr, st, s_zero):
+        s = warpgroup_mma(qa, ka.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qb, kb.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qr, kr.index(st).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, t, n_tiles, seq_len, o_n, qk_scale, dtype: gl.constexpr):
+        s = s * qk_scale
+        if t == n_tiles - 1:  # the last tile's tail holds the next sequence's tokens (or TMA's zeros)
+            s = gl.where((t * 64 + o_n < seq_len)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _consumer(C: gl.constexpr, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len,
+                  n_tiles, o_row0, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = ka.dtype
+        if C == 0:
+            kv = ka  # P V over the latent's columns 0-255
+        else:
+            kv = kb
+        o_n = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([64], gl.float32, layout=row_s)
+        acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+        p_op = gl.zeros([64, 64], dtype, layout=p_layout)
+
+        mbarrier.wait(q_bar, 0)
+        if n_tiles > 0:
+            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(turn.index(C), 0)
+            s = _scores(qa, qb, qr, ka, kb, kr, 0, s_zero)
+            mbarrier.arrive(turn.index(1 - C), count=1)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_tiles, seq_len, o_n, qk_scale, dtype)
+            p_op = gl.convert_layout(p_lo, p_layout)
+        for t in range(1, n_tiles):
+            st = t % STAGES
+            mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+            mbarrier.wait(turn.index(C), t & 1)
+            s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+            acc = warpgroup_mma(p_op, kv.index((t - 1) % STAGES), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - C), count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, seq_len, o_n, qk_scale, dtype)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p_lo, p_layout)
+        if n_tiles > 0:
+            last = (n_tiles - 1) % STAGES
+            tail = seq_len - (n_tiles - 1) * 64
+            if tail < 64:
+                # The last tile's rows past the sequence are unused cache slots: P is 0 there, but 0 x NaN
+                # is NaN in the wgmma, so zero those rows of this consumer's value half first. (The other
+                # consumer's score wgmma may read them meanwhile: those columns are masked to -inf.)
+                z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                keep = (gl.arange(0, 64, layout=gl.SliceLayout(1, z_layout)) < tail)[:, None]
+                for c in gl.static_range(4):
+                    sub = kv.index(last).slice(c * 64, 64, dim=1)
+                    sub.store(gl.where(keep, sub.load(z_layout), 0.0))
+                fence_async_shared()
+            acc = warpgroup_mma(p_op, kv.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(last), count=1)
+
+        dead = l_i == 0.0
+        inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
+        o = acc * inv[:, None]
+        o_r = gl.arange(0, 64, layout=row_o)
+        o_d = C * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :], o.to(O.dtype.element_ty))
+        if C == 0:
+            lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+            gl.store(LSE + o_row0 + gl.arange(0, 64, layout=row_s), lse)
+
+    @gluon.jit
+    def _consumer0(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+                   STAGES: gl.constexpr):
+        _consumer(0, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+                  STAGES)
+
+    @gluon.jit
+    def _consumer1(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+                   q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES: gl.constexpr):
+        _consumer(1, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+                  STAGES)
+
+    @gluon.jit
+    def _producer_w(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+                    q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES: gl.constexpr):
+        _producer(q_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0,
+                  n_tiles, STAGES)
+
+    @gluon.jit
+    def _mla_decode_ws(q_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, O, LSE, qk_scale, H, N,
+                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        i_t = gl.program_id(0)  # 64-head tile
+        i_b = gl.program_id(1)  # sequence
+        seq_len = gl.load(SEQ_LENS + i_b)
+        n_tiles = gl.cdiv(seq_len, 64)
+        q_row0 = i_b * H + i_t * 64  # rows of the [B * H, 576] query view and of o [B * H, 512]
+        c_row0 = i_b * N  # rows of the [B * N, 576] cache view
+        dtype: gl.constexpr = q_desc.dtype
+        qa = gl.allocate_shared_memory(dtype, [64, 256], q_desc.layout)
+        qb = gl.allocate_shared_memory(dtype, [64, 256], q_desc.layout)
+        qr = gl.allocate_shared_memory(dtype, [64, 64], qr_desc.layout)
+        ka = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
+        kb = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
+        kr = gl.allocate_shared_memory(dtype, [STAGES, 64, 64], cr_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
+        o_row0 = q_row0.to(gl.int64)
+        gl.warp_specialize([
+            (_consumer0, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
+                          o_row0, STAGES)),
+            (_consumer1, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
+                          o_row0, q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES)),
+            (_producer_w, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
+                           o_row0, q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def supported(q_latent, q_rope, cache) -> bool:
+    if not (AVAILABLE and q_latent.is_cuda and torch.cuda.get_device_capability(q_latent.device)[0] == 9):
+        return False
+    return (q_latent.dtype in (torch.bfloat16, torch.float16) and q_latent.dim() == 3
+            and q_latent.shape[-1] == DC and q_rope is not None and q_rope.shape[-1] == DR
+            and q_latent.shape[1] % BLOCK_H == 0 and cache.dim() == 3 and cache.shape[-1] == DC + DR
+            and cache.is_contiguous() and cache.dtype == q_latent.dtype)
+
+
+def mla_decode_ws(q_latent, q_rope, cache, seq_lens, scale: float, *, stages: int = 2, consumer_regs: int = 232,
+                  maxnreg: int = 168):
+    """q_latent [B, H, 512], q_rope [B, H, 64], cache [B, N, 576] contiguous, seq_lens int32 [B] ->
+    (o [B, H, 512], lse [B, H]). Experimental and never run: see the module docstring."""
+    if not supported(q_latent, q_rope, cache):
+        raise ValueError(f"mla_decode_ws: unsupported inputs q_latent {tuple(q_latent.shape)}, cache "
+                         f"{tuple(cache.shape)} {cache.dtype}")
+    b, h, _ = q_latent.shape
+    n = cache.shape[1]
+    o = torch.empty(b, h, DC, dtype=q_latent.dtype, device=q_latent.device)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q_latent.device)
+    if b * h == 0:
+        return o, lse
+    el = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
+    q = torch.cat((q_latent, q_rope), -1).reshape(b * h, DC + DR)
+    c2 = cache.view(b * n, DC + DR)
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+
+    _mla_decode_ws[(h // BLOCK_H, b)](
+        desc(q, 64, 256), desc(q, 64, 64), desc(c2, 64, 256), desc(c2, 64, 64), seq_lens.to(torch.int32), o, lse,
+        scale * _LOG2E, h, n, STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+    )
+    return o, lse
