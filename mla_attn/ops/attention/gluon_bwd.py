@@ -54,6 +54,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 _LOG2E = 1.4426950408889634
 
 if AVAILABLE:
+    from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward
+
     @gluon.jit
     def _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t, n_rt, rt0, M, H, i_b, i_hk,
                    GROUP_N, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr,
@@ -233,23 +235,6 @@ if AVAILABLE:
 
 if AVAILABLE:
     @gluon.jit
-    def _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, tile, kv_row0, n_tiles,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
-        """dQ pass: TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end)."""
-        stage = tile % STAGES
-        pred = tile < n_tiles
-        bar = bars.index(stage)
-        if SPLIT:
-            mbarrier.expect(bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes,
-                            pred=pred)
-            tma.async_copy_global_to_shared(k1_desc, [kv_row0 + tile * BLOCK_N, D_QK0], bar, k1_smem.index(stage),
-                                            pred=pred)
-        else:
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [kv_row0 + tile * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [kv_row0 + tile * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
-
-    @gluon.jit
     def _dq_step(j, dq, dq1, q_smem, q1_smem, do_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
                  kv_row0, n_tiles, lse2, delta, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
                  dqa_layout: gl.constexpr, dq1a_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -279,7 +264,7 @@ if AVAILABLE:
         else:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         gl.thread_barrier()  # both warpgroups are done with this stage
-        _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES, kv_row0, n_tiles, BLOCK_N,
+        _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES, kv_row0, n_tiles, BLOCK_N,
                       STAGES, D_QK0, SPLIT)
         return dq, dq1
 
@@ -298,7 +283,8 @@ if AVAILABLE:
         i_h = pid_bh % H
         i_hk = i_h // (H // HK)
         q_row0 = pid_bh * M + pid_m * BLOCK_M
-        kv_row0 = (i_b * HK + i_hk) * N
+        kv_row = (i_b * HK + i_hk) * N
+        kv_row0 = (kv_row, 0, kv_row, 0)  # (K row, K column, V row, V column): gluon_fwd._load_kv
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -347,7 +333,7 @@ if AVAILABLE:
         tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
         tma.async_copy_global_to_shared(do_desc, [q_row0, 0], q_bar, do_smem)
         for i in gl.static_range(STAGES):
-            _load_kv_tile(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N,
+            _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N,
                           STAGES, D_QK0, SPLIT)
 
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
