@@ -117,6 +117,20 @@ def _balanced(fn, on):
     return run
 
 
+def _no_gluon(fn):
+    """fn with the Gluon MLA kernel switched off while it runs (and while a graph of it is captured)."""
+    from mla_attn.ops.decode import triton_decode as td
+
+    def run():
+        old, td.GLUON_MLA = td.GLUON_MLA, False
+        try:
+            return fn()
+        finally:
+            td.GLUON_MLA = old
+
+    return run
+
+
 def _fmt(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -148,8 +162,19 @@ def bench_mla(args, gen, rows, configs=None):
                                                                         None, scale, None)),
                    "triton-paged64": lambda: (lambda pp=pool.clone(): mla_decode(q4, qr4, pp[..., :DC], pp[..., DC:],
                                                                                 seq_lens, table, scale, None))}
-        if args.balance_variants:
+        # On Hopper, H a multiple of 64: the op runs the Gluon kernel (ops/decode/gluon_mla.py) where it
+        # takes the call; those rows are marked, and the Triton kernel is timed beside them.
+        from mla_attn.ops.decode import triton_decode as td
+
+        if td._gluon_mla_takes(q4, qr4, c, kr, None, None):
             for name in ("triton", "triton-paged64"):
+                cands[f"{name} [gluon]"] = cands.pop(name)
+                layered[f"{name} [gluon]"] = layered[name]
+                cands[f"{name} [triton kernel]"] = _no_gluon(cands[f"{name} [gluon]"])
+                layered[f"{name} [triton kernel]"] = (lambda mk=layered.pop(name): _no_gluon(mk()))
+            cands["triton-paged1"] = cands.pop("triton-paged1")  # keep the table's order
+        if args.balance_variants:
+            for name in [k for k in cands if k.startswith("triton") and "paged1" not in k]:
                 for on in (True, False):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if configs and (b, h, length) in SWEEP_MLA:
@@ -259,9 +284,9 @@ def _sweep_configs_gqa(group):
 
 
 def bench_gluon_mla(out):
-    """The experimental Gluon MLA decode microkernel (ops/decode/gluon_mla.py: one program per 64 heads
-    and sequence, no split, contiguous cache) against the Triton kernel, graph replays, H = 128, checked
-    against the Triton output first."""
+    """The Gluon MLA decode kernel (ops/decode/gluon_mla.py) called directly, unsplit (one program per
+    64 heads and sequence, contiguous cache), against the Triton kernel: graph replays, checked against
+    the Triton output first."""
     from mla_attn.ops import decode as decode_ops
     from mla_attn.ops.decode import gluon_mla
 
@@ -275,6 +300,7 @@ def bench_gluon_mla(out):
         scale = 192 ** -0.5
         flops = 2.0 * h * int(seq_lens.sum()) * (576 + 512)
 
+        @_no_gluon
         def tri():
             return decode_ops.mla_decode(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, scale=scale, impl="triton")
 
@@ -305,7 +331,7 @@ def main():
                     help="with --graph: also time N steps over N cache copies in one graph, per step (0: off)")
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
-    ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the experimental Gluon MLA decode microkernel")
+    ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel, unsplit, against the Triton kernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")

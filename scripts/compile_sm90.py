@@ -122,9 +122,10 @@ def main():
         def desc(rows, cols):
             return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
 
-        ptrs = {"q_desc": desc(64, 256), "qr_desc": desc(64, 64), "c_desc": desc(64, 256), "cr_desc": desc(64, 64),
-                "SEQ_LENS": "*i32", "O": "*bf16", "LSE": "*fp32"}
-        const = dict(STAGES=stages, CONSUMER_REGS=232, num_warps=warps)
+        ptrs = {"ql_desc": desc(64, 256), "qr_desc": desc(64, 64), "c_desc": desc(64, 256), "cr_desc": desc(64, 64),
+                "SEQ_LENS": "*i32", "BT": "*i32", "O": "*bf16", "LSE": "*fp32"}
+        const = dict(STAGES=stages, CONSUMER_REGS=232, PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1,
+                     num_warps=warps)
         kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=168)
     elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
         from triton.experimental.gluon import language as gl

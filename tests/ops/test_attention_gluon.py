@@ -157,7 +157,8 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
     assert calls, "the Gluon dK/dV pass did not run"
     calls.clear()
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda")  # strided views: the Triton kernels
-    assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"
+    if max(case[3], case[4]) > 1:  # with M = N = 1 the [B, L, H, D] transposes are contiguous too
+        assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"
 
 
 @pytest.mark.gpu
@@ -165,7 +166,7 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
     *c[:7], "causal" if c[7] else "full"))
 def test_gluon_dq_matches_oracle(case, monkeypatch):
-    """The Gluon dQ pass (off by default until this passes on the H200), forced on."""
+    """The Gluon dQ pass (off by default: correct on the H200, but no faster than the Triton one), forced on."""
     from mla_attn.ops.attention import triton_bwd
 
     calls = []
@@ -204,9 +205,9 @@ def test_gluon_forward_token_major(case):
                                   (1, 4, 1, 130, 65, 64, 64, False)],
                          ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*c[:7], "causal" if c[7] else "full"))
 def test_token_major_through_the_op(case, monkeypatch):
-    """The layers' layout with MLA_ATTN_GLUON_TOKEN_MAJOR on (off by default until this passes): the
-    Gluon forward and dK/dV pass read [B, L, H, D] tensors in place; output and gradients against the
-    float64 oracle."""
+    """The layers' layout (token-major on, as by default since it passed here on the H200): the Gluon
+    forward and dK/dV pass read [B, L, H, D] tensors in place; output and gradients against the float64
+    oracle."""
     import mla_attn
     from mla_attn.ops.attention import function, triton_bwd
 

@@ -1,5 +1,5 @@
-"""The experimental Gluon MLA decode microkernel (mla_attn/ops/decode/gluon_mla.py) against the float64
-oracle. GPU-only; scripts/gpu_check.sh runs it in a hang-guarded step (a wrong mbarrier phase hangs).
+"""The Gluon MLA decode kernel (mla_attn/ops/decode/gluon_mla.py) against the float64 oracle, called
+directly and through the public op. GPU-only; scripts/gpu_check.sh runs it in a hang-guarded step (a wrong mbarrier phase hangs).
 Unused cache slots are NaN. The lengths straddle the 64-key tiles (0, 1, 63, 64, 65, a long one), and
 the tolerances are those of the Triton MLA decode tests (within 2x of PyTorch's own bf16 error).
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mla_attn.ops import decode as decode_ops
+from mla_attn.ops.decode import triton_decode as td
 from mla_attn.testing import mla_decode_oracle
-from test_decode_triton import BF16, _check, _lowp_mla
+from test_decode_triton import BF16, _check, _lowp_mla, _mla_inputs, _nan_outputs  # noqa: F401 (autouse: NaN buffers)
 
 gm = pytest.importorskip("mla_attn.ops.decode.gluon_mla")
 
@@ -36,3 +38,89 @@ def test_gluon_mla_decode_matches_oracle(h, lens):
     q4, r4 = ql.unsqueeze(2), qr.unsqueeze(2)
     ref_o, ref_lse = mla_decode_oracle(q4, r4, c, kr, seq_lens, scale=scale, block_table=None)
     _check(o.unsqueeze(2), lse.unsqueeze(2), ref_o, ref_lse, _lowp_mla(q4, r4, c, kr, seq_lens, None, scale), BF16)
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = gm.mla_decode_gluon
+    monkeypatch.setattr(gm, "mla_decode_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+# (H, page size or None, num_splits, separate latent / rope buffers, query scale)
+OP_CASES = [
+    (128, 64, None, False, 1.0),
+    (128, 128, 3, False, 1.0),
+    (64, 256, 7, False, 100.0),
+    (128, None, 2, False, 1.0),
+    (192, 64, 1, True, 1.0),
+    (64, None, None, True, 1.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: "H{}-page{}-splits{}-{}-q{:g}".format(
+    c[0], c[1], c[2], "separate" if c[3] else "onebuffer", c[4]))
+def test_gluon_mla_through_the_op(case, monkeypatch):
+    """The public op routes to the Gluon kernel (one new token, H a multiple of 64) and matches the
+    float64 oracle: split intervals (incl. empty ones), paged caches with shuffled block tables,
+    NaN in unused pages and page tails and 2**31 - 8 in block-table entries past each sequence's last
+    page (to_paged), latent and rope in one buffer or two, large queries."""
+    h, page, splits, separate, qmul = case
+    calls = _spy(monkeypatch)
+    lens = [0, 1, 63, 64, 65, 700, 1500]
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), h, 512, 64, 1, lens, page, BF16, qmul=qmul,
+                                                 seed=h + (page or 0))
+    if separate:
+        c, kr = c.contiguous(), kr.contiguous()
+    scale = 192 ** -0.5
+    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=scale, block_table=table, num_splits=splits,
+                                   return_lse=True, impl="triton")
+    assert calls, "the Gluon MLA kernel did not run"
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=scale, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, scale), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+def test_gluon_mla_not_taken_where_it_does_not_apply(monkeypatch):
+    """H = 16, two new tokens, pages of 16 keys: the Triton kernel, still correct."""
+    calls = _spy(monkeypatch)
+    for h, s, page in ((16, 1, 64), (128, 2, 64), (128, 1, 16)):
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(2, h, 512, 64, s, [100, 300], page, BF16)
+        o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, return_lse=True,
+                                       impl="triton")
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+    assert not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+def test_gluon_mla_cuda_graph_replay(monkeypatch):
+    """A captured decode step on the Gluon kernel (heuristic splits) replays with new seq_lens and q."""
+    calls = _spy(monkeypatch)
+    b, h, n = 2, 128, 2600
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ql = torch.randn(b, h, 1, 512, device="cuda", generator=gen).to(BF16)
+    qr = torch.randn(b, h, 1, 64, device="cuda", generator=gen).to(BF16)
+    buf = torch.randn(b, n, 576, device="cuda", generator=gen).to(BF16)
+    c, kr = buf[..., :512], buf[..., 512:]
+    seq_lens = torch.tensor([2000, 1], dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.1, None)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.1, None)
+    assert calls
+    for lens in ([2000, 1], [2600, 0], [0, 0], [1, 2599]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        ql.copy_(torch.randn_like(ql))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=None)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, None, 0.1), BF16)

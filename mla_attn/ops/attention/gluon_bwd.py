@@ -29,11 +29,13 @@ tests/ops/test_attention_gluon.py at both tile choices, and every flash GPU test
 op). fwd+bwd (Gluon forward, this pass, Triton dQ) reads 377 / 375 / 322 / 341 TFLOP/s on the benchmark
 rows, against 351 / 366 / 310 / 295 all-Triton (docs/benchmarks.md).
 
-Written and compiled clean for sm_90a, but not yet run on a GPU, so off by default:
-- ``dq_gluon`` (``MLA_ATTN_GLUON_DQ=1``). The same schedule with the roles of queries and keys
-  swapped: a program owns 128 rows, and K/V tiles stream by TMA.
-- ``token_major=True`` in ``dkdv_gluon`` (``MLA_ATTN_GLUON_TOKEN_MAJOR=1``). It reads the layers'
-  [B, L, H, D] tensors in place. A constexpr keeps the head-major code identical.
+Session 13 (827090c, H200): both of these pass their oracle tests.
+- ``token_major=True`` in ``dkdv_gluon``: on by default (``MLA_ATTN_GLUON_TOKEN_MAJOR=0`` turns it
+  off). It reads the layers' [B, L, H, D] tensors in place. A constexpr keeps the head-major code
+  identical.
+- ``dq_gluon`` (``MLA_ATTN_GLUON_DQ=1``): off. The same schedule with the roles of queries and keys
+  swapped (a program owns 128 rows, K/V tiles stream by TMA). It did not beat the Triton dQ pass
+  (ops/attention/README.md has the numbers).
 """
 
 from __future__ import annotations

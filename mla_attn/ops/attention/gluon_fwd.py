@@ -403,9 +403,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
-    Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``, not yet
-    checked on a GPU) unless they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are
-    read in place through [B * L, H * D] descriptors.
+    Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``) unless
+    they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are read in place through
+    [B * L, H * D] descriptors.
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "

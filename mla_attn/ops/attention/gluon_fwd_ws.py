@@ -1,4 +1,4 @@
-"""EXPERIMENTAL, never run, not routed: a warp-specialised ping-pong flash forward for Hopper in Gluon.
+"""EXPERIMENTAL, not routed: a warp-specialised ping-pong flash forward for Hopper in Gluon.
 
 The forward in ``gluon_fwd.py`` runs its two warpgroups in lockstep: both wait at the same CTA barriers
 (a refill of the K/V ring needs both to be done with a stage), so while one softmaxes the other
@@ -20,6 +20,9 @@ Scope of this first version: bf16/fp16 contiguous [B, H, L, D] inputs, Dqk = Dv 
 (bottom-right) or not, GQA. Local sm_90a compile: ``scripts/compile_sm90.py gluon_ws``. Its GPU test
 is ``tests/ops/test_attention_gluon_ws.py``, run by ``scripts/gpu_check.sh`` in a step of its own with
 a short time limit (a wrong barrier phase hangs rather than fails).
+
+Status (session 13, 827090c, H200): it passes its 12 GPU tests, but is not faster than ``gluon_fwd``
+(445-473 TFLOP/s at d 128 against 486; 406-420 on the GQA row against 411), so nothing routes to it.
 """
 
 from __future__ import annotations
@@ -243,7 +246,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def flash_fwd_ws(q, k, v, *, causal: bool, scale: float, block_n: int = 128, stages: int = 2,
                  consumer_regs: int = 232, maxnreg: int = 168):
-    """q [B, H, M, D], k/v [B, HK, N, D] -> (o [B, H, M, D], lse [B, H, M]). Experimental, never run."""
+    """q [B, H, M, D], k/v [B, HK, N, D] -> (o [B, H, M, D], lse [B, H, M]). Experimental, not routed."""
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_ws: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} on {q.device}")

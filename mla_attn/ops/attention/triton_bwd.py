@@ -29,11 +29,13 @@ from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallbac
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
 # the Triton one (as it keeps the Triton forward, function.py).
 GLUON_DKDV = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
-# The Gluon dQ pass (gluon_bwd.dq_gluon) has not run on a GPU yet: off unless MLA_ATTN_GLUON_DQ=1.
+# The Gluon dQ pass (gluon_bwd.dq_gluon) passes its oracle tests on the H200 (827090c) but does not beat
+# the Triton dQ pass there (fwd+bwd 386 / 383 / 319 / 337 TFLOP/s against 383-395 / 376-379 / 286-324 /
+# 344-348 for the Triton dQ, same run): off unless MLA_ATTN_GLUON_DQ=1.
 GLUON_DQ = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_DQ", "0") == "1"
 # Token-major inputs ([B, L, H, D] seen through transpose(1, 2), the layers' layout) read in place by the
-# Gluon dK/dV pass: not yet run on a GPU, off unless MLA_ATTN_GLUON_TOKEN_MAJOR=1 (as the forward's).
-GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "0") == "1"
+# Gluon dK/dV pass, as by the forward (function.py); MLA_ATTN_GLUON_TOKEN_MAJOR=0 turns both off.
+GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "1") != "0"
 
 
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200

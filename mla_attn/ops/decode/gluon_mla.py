@@ -51,21 +51,26 @@ BLOCK_H, BLOCK_N = 64, 64
 
 if AVAILABLE:
     @gluon.jit
-    def _producer(q_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0,
-                  n_tiles, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, qa)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, 256], q_bar, qb)
-        tma.async_copy_global_to_shared(qr_desc, [q_row0, 512], q_bar, qr)
+    def _producer(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0, lo,
+                  bt_row, stride_btp, n_tiles, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(ql_desc, [q_row0, 0], q_bar, qa)
+        tma.async_copy_global_to_shared(ql_desc, [q_row0, 256], q_bar, qb)
+        tma.async_copy_global_to_shared(qr_desc, [q_row0, 0], q_bar, qr)
         for t in range(n_tiles):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            pos = lo + t * 64
+            if PAGED:  # a 64-key tile never leaves its page (PAGE_SIZE % 64 == 0): one lookup per tile
+                page = gl.load(bt_row + (pos // PAGE_SIZE) * stride_btp)
+                row = page * PAGE_SIZE + pos % PAGE_SIZE
+            else:
+                row = c_row0 + pos
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + cr_desc.block_type.nbytes)
-            row = c_row0 + t * 64
             tma.async_copy_global_to_shared(c_desc, [row, 0], bar, ka.index(s))
             tma.async_copy_global_to_shared(c_desc, [row, 256], bar, kb.index(s))
-            tma.async_copy_global_to_shared(cr_desc, [row, 512], bar, kr.index(s))
+            tma.async_copy_global_to_shared(cr_desc, [row, 0], bar, kr.index(s))
 
     @gluon.jit
     def _scores(qa, qb, qr, ka, kb, kr, st, s_zero):
@@ -75,10 +80,10 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, t, n_tiles, seq_len, o_n, qk_scale, dtype: gl.constexpr):
+    def _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype: gl.constexpr):
         s = s * qk_scale
-        if t == n_tiles - 1:  # the last tile's tail holds the next sequence's tokens (or TMA's zeros)
-            s = gl.where((t * 64 + o_n < seq_len)[None, :], s, float("-inf"))
+        if t == n_tiles - 1:  # the last tile's tail: past the interval (unused slots, another sequence, TMA's 0)
+            s = gl.where((t * 64 + o_n < length)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -86,7 +91,7 @@ if AVAILABLE:
         return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len,
+    def _consumer(C: gl.constexpr, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length,
                   n_tiles, o_row0, STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
@@ -114,7 +119,7 @@ if AVAILABLE:
             s = _scores(qa, qb, qr, ka, kb, kr, 0, s_zero)
             mbarrier.arrive(turn.index(1 - C), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_tiles, seq_len, o_n, qk_scale, dtype)
+            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, n_tiles, length, o_n, qk_scale, dtype)
             p_op = gl.convert_layout(p_lo, p_layout)
         for t in range(1, n_tiles):
             st = t % STAGES
@@ -124,16 +129,16 @@ if AVAILABLE:
             acc = warpgroup_mma(p_op, kv.index((t - 1) % STAGES), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - C), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, seq_len, o_n, qk_scale, dtype)
+            p_lo, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p_lo, p_layout)
         if n_tiles > 0:
             last = (n_tiles - 1) % STAGES
-            tail = seq_len - (n_tiles - 1) * 64
+            tail = length - (n_tiles - 1) * 64
             if tail < 64:
-                # The last tile's rows past the sequence are unused cache slots: P is 0 there, but 0 x NaN
+                # The last tile's rows past the interval are unused cache slots: P is 0 there, but 0 x NaN
                 # is NaN in the wgmma, so zero those rows of this consumer's value half first. (The other
                 # consumer's score wgmma may read them meanwhile: those columns are masked to -inf.)
                 z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -157,35 +162,37 @@ if AVAILABLE:
             gl.store(LSE + o_row0 + gl.arange(0, 64, layout=row_s), lse)
 
     @gluon.jit
-    def _consumer0(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+    def _consumer0(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles, o_row0,
                    STAGES: gl.constexpr):
-        _consumer(0, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+        _consumer(0, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles, o_row0,
                   STAGES)
 
     @gluon.jit
-    def _consumer1(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
-                   q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES: gl.constexpr):
-        _consumer(1, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
+    def _consumer1(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles, o_row0,
+                   STAGES: gl.constexpr):
+        _consumer(1, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles, o_row0,
                   STAGES)
 
     @gluon.jit
-    def _producer_w(qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles, o_row0,
-                    q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES: gl.constexpr):
-        _producer(q_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0,
-                  n_tiles, STAGES)
-
-    @gluon.jit
-    def _mla_decode_ws(q_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, O, LSE, qk_scale, H, N,
-                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    def _mla_decode_ws(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
+                       stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
         i_t = gl.program_id(0)  # 64-head tile
         i_b = gl.program_id(1)  # sequence
+        i_s = gl.program_id(2)  # KV interval (split)
         seq_len = gl.load(SEQ_LENS + i_b)
-        n_tiles = gl.cdiv(seq_len, 64)
-        q_row0 = i_b * H + i_t * 64  # rows of the [B * H, 576] query view and of o [B * H, 512]
-        c_row0 = i_b * N  # rows of the [B * N, 576] cache view
-        dtype: gl.constexpr = q_desc.dtype
-        qa = gl.allocate_shared_memory(dtype, [64, 256], q_desc.layout)
-        qb = gl.allocate_shared_memory(dtype, [64, 256], q_desc.layout)
+        # As the Triton kernel: seq_len cut into num_splits intervals of whole 64-key tiles.
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
+        lo = i_s * split_len
+        length = gl.maximum(gl.minimum(lo + split_len, seq_len) - lo, 0)
+        n_tiles = gl.cdiv(length, 64)
+        q_row0 = i_b * H + i_t * 64  # rows of the [B * H, 512] / [B * H, 64] query views and of o
+        c_row0 = i_b * N  # contiguous cache: rows of the [B * N, 576] view
+        bt_row = BT + i_b.to(gl.int64) * stride_btb
+        o_row0 = i_s.to(gl.int64) * B * H + q_row0  # split-major partials [num_splits, B * H, 512]
+        dtype: gl.constexpr = ql_desc.dtype
+        qa = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
+        qb = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
         qr = gl.allocate_shared_memory(dtype, [64, 64], qr_desc.layout)
         ka = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
         kb = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
@@ -201,48 +208,111 @@ if AVAILABLE:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
-        o_row0 = q_row0.to(gl.int64)
         gl.warp_specialize([
-            (_consumer0, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
+            (_consumer0, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles,
                           o_row0, STAGES)),
-            (_consumer1, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
-                          o_row0, q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES)),
-            (_producer_w, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, seq_len, n_tiles,
-                           o_row0, q_desc, qr_desc, c_desc, cr_desc, q_row0, c_row0, STAGES)),
+            (_consumer1, (qa, qb, qr, ka, kb, kr, q_bar, ready, empty, turn, O, LSE, qk_scale, length, n_tiles,
+                          o_row0, STAGES)),
+            (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
+                         c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
-def supported(q_latent, q_rope, cache) -> bool:
+def _rows(t: torch.Tensor):
+    """A [R0, R1, D] view as a 2-D [R0 * R1, D] TMA source without a copy, or None if its rows are not
+    evenly spaced, its rows not 16-byte aligned, or its last dim not unit-stride."""
+    r0, r1, d = t.shape
+    es = t.element_size()
+    if t.stride(-1) != 1 or (r0 > 1 and t.stride(0) != r1 * t.stride(1)) or (t.stride(1) * es) % 16 \
+            or t.data_ptr() % 16:
+        return None
+    return t.as_strided((r0 * r1, d), (t.stride(1), 1))
+
+
+def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
+    """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
+    token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys."""
     if not (AVAILABLE and q_latent.is_cuda and torch.cuda.get_device_capability(q_latent.device)[0] == 9):
         return False
-    return (q_latent.dtype in (torch.bfloat16, torch.float16) and q_latent.dim() == 3
-            and q_latent.shape[-1] == DC and q_rope is not None and q_rope.shape[-1] == DR
-            and q_latent.shape[1] % BLOCK_H == 0 and cache.dim() == 3 and cache.shape[-1] == DC + DR
-            and cache.is_contiguous() and cache.dtype == q_latent.dtype)
+    if q_rope is None or k_rope is None or q_latent.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if any(t.dtype != q_latent.dtype for t in (q_rope, kv_latent, k_rope)):
+        return False
+    if q_latent.dim() == 4:
+        if q_latent.shape[2] != 1:
+            return False
+    elif q_latent.dim() != 3:
+        return False
+    if q_latent.shape[-1] != DC or q_rope.shape[-1] != DR or q_latent.shape[1] % BLOCK_H:
+        return False
+    if kv_latent.dim() != 3 or kv_latent.shape[-1] != DC or k_rope.dim() != 3 or k_rope.shape[-1] != DR:
+        return False
+    if block_table is not None and kv_latent.shape[1] % BLOCK_N:
+        return False
+    return _rows(kv_latent) is not None and _rows(k_rope) is not None
 
 
-def mla_decode_ws(q_latent, q_rope, cache, seq_lens, scale: float, *, stages: int = 2, consumer_regs: int = 232,
-                  maxnreg: int = 168):
-    """q_latent [B, H, 512], q_rope [B, H, 64], cache [B, N, 576] contiguous, seq_lens int32 [B] ->
-    (o [B, H, 512], lse [B, H]). Experimental and never run: see the module docstring."""
-    if not supported(q_latent, q_rope, cache):
-        raise ValueError(f"mla_decode_ws: unsupported inputs q_latent {tuple(q_latent.shape)}, cache "
-                         f"{tuple(cache.shape)} {cache.dtype}")
-    b, h, _ = q_latent.shape
-    n = cache.shape[1]
-    o = torch.empty(b, h, DC, dtype=q_latent.dtype, device=q_latent.device)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q_latent.device)
+def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    t2 = t.reshape(rows, t.shape[-1])
+    if t2.stride(-1) != 1 or (t2.stride(0) * t2.element_size()) % 16 or t2.data_ptr() % 16:
+        t2 = t2.contiguous()
+        if t2.data_ptr() % 16:
+            t2 = t2.clone()
+    return t2
+
+
+def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
+                     num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168):
+    """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
+    contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
+    [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
+    (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
+    (None: ``triton_decode.choose_num_splits`` for one program per SM); their partials are merged by
+    ``combine.combine_splits``. See the module docstring for the schedule."""
+    if not supported(q_latent, q_rope, kv_latent, k_rope, block_table):
+        raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
+                         f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "
+                         f"k_rope {None if k_rope is None else tuple(k_rope.shape)}")
+    from .combine import combine_splits
+    from .triton_decode import _alloc, _num_sms, choose_num_splits
+
+    lead = q_latent.shape[:-1]
+    b, h = q_latent.shape[0], q_latent.shape[1]
+    paged = block_table is not None
+    page_size = kv_latent.shape[1] if paged else 1
+    n = 0 if paged else kv_latent.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else n
+    if num_splits is None:
+        num_splits = choose_num_splits(b, h // BLOCK_H, capacity, _num_sms(q_latent.device), block_n=BLOCK_N)
+    o = _alloc(tuple(lead) + (DC,), dtype=q_latent.dtype, device=q_latent.device)
+    lse = _alloc(tuple(lead), dtype=torch.float32, device=q_latent.device)
     if b * h == 0:
         return o, lse
+    if num_splits > 1:
+        part = _alloc((num_splits * b * h * (DC + 1),), dtype=torch.float32, device=q_latent.device)
+        o_part = part[: num_splits * b * h * DC].view(num_splits, b * h, DC)
+        lse_part = part[num_splits * b * h * DC:].view(num_splits, b * h)
+    else:
+        o_part, lse_part = o, lse
     el = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
-    q = torch.cat((q_latent, q_rope), -1).reshape(b * h, DC + DR)
-    c2 = cache.view(b * n, DC + DR)
 
     def desc(t, rows, cols):
         return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
 
-    _mla_decode_ws[(h // BLOCK_H, b)](
-        desc(q, 64, 256), desc(q, 64, 64), desc(c2, 64, 256), desc(c2, 64, 64), seq_lens.to(torch.int32), o, lse,
-        scale * _LOG2E, h, n, STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
+    bt_strides = bt.stride() if paged else (0, 0)
+    _mla_decode_ws[(h // BLOCK_H, b, num_splits)](
+        desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
+        desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
+        scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
+        STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )
+    if num_splits > 1:
+        combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
     return o, lse
+
+
+def mla_decode_ws(q_latent, q_rope, cache, seq_lens, scale: float, **kw):
+    """The probe's entry point: q_latent [B, H, 512], q_rope [B, H, 64], cache [B, N, 576] -> (o, lse)."""
+    return mla_decode_gluon(q_latent, q_rope, cache[..., :DC], cache[..., DC:], seq_lens, None, scale, **kw)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -554,6 +555,24 @@ def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_spl
                    hkv, v_cache.shape[-1], scale, num_splits, capacity, False, config)
 
 
+# The Gluon MLA decode kernel (gluon_mla.py: Hopper, warp-specialised, H a multiple of 64, one new token,
+# pages of 64 keys or more) takes the absorbed MLA decode where it applies, except where the batch alone
+# holds about two waves of programs or more: there the Triton kernel's balanced split (BALANCED) ties
+# with it and evens out varlen batches. MLA_ATTN_GLUON_MLA=0 keeps the Triton kernel everywhere.
+GLUON_MLA = os.environ.get("MLA_ATTN_GLUON_MLA", "1") != "0"
+
+
+def _gluon_mla_takes(q_latent, q_rope, kv_latent, k_rope, block_table, num_splits) -> bool:
+    if not (GLUON_MLA and q_latent.is_cuda):
+        return False
+    from . import gluon_mla
+
+    if not gluon_mla.supported(q_latent, q_rope, kv_latent, k_rope, block_table):
+        return False
+    programs = q_latent.shape[0] * (q_latent.shape[1] // gluon_mla.BLOCK_H)
+    return num_splits is not None or 2 * programs < 3 * _num_sms(q_latent.device)
+
+
 def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float, num_splits: int | None, *,
                config: DecodeConfig | None = None):
     """Absorbed MLA decode: MQA with score ``scale * (q_latent . c_j + q_rope . kr_j)`` and value ``c_j``.
@@ -570,6 +589,10 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale
     if q_latent.dim() == 3:
         q_latent = q_latent.unsqueeze(2)
         q_rope = None if q_rope is None else q_rope.unsqueeze(2)
+    if config is None and _gluon_mla_takes(q_latent, q_rope, kv_latent, k_rope, block_table, num_splits):
+        from .gluon_mla import mla_decode_gluon
+
+        return mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale, num_splits)
     if block_table is None:
         page_size, capacity = 1, kv_latent.shape[1]
     else:
