@@ -12,9 +12,11 @@ import torch
 from mla_attn.ops import decode as decode_ops
 from mla_attn.ops.decode import triton_decode as td
 from mla_attn.testing import mla_decode_oracle
-from test_decode_triton import BF16, _check, _lowp_mla, _mla_inputs, _nan_outputs  # noqa: F401 (autouse: NaN buffers)
+from test_decode_triton import BF16, _check, _lowp_mla, _mla_inputs
 
 gm = pytest.importorskip("mla_attn.ops.decode.gluon_mla")
+
+pytestmark = pytest.mark.usefixtures("nan_decode_outputs")  # launcher buffers start as NaN (conftest.py)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -41,6 +43,8 @@ def test_gluon_mla_decode_matches_oracle(h, lens):
 
 
 def _spy(monkeypatch):
+    """Count the Gluon kernel's calls; let it take any batch (the op keeps B x H / 64 < SMs / 8 on Triton)."""
+    monkeypatch.setattr(td, "GLUON_MLA_MIN_PROGRAMS", 0)
     calls = []
     real = gm.mla_decode_gluon
     monkeypatch.setattr(gm, "mla_decode_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -101,13 +105,14 @@ def test_gluon_mla_not_taken_where_it_does_not_apply(monkeypatch):
 def test_gluon_mla_cuda_graph_replay(monkeypatch):
     """A captured decode step on the Gluon kernel (heuristic splits) replays with new seq_lens and q."""
     calls = _spy(monkeypatch)
-    b, h, n = 2, 128, 2600
+    monkeypatch.setattr(td, "GLUON_MLA_MIN_PROGRAMS", 1 / 8)  # the default: B = 10, H = 128 is above it
+    b, h, n = 10, 128, 2600
     gen = torch.Generator(device="cuda").manual_seed(7)
     ql = torch.randn(b, h, 1, 512, device="cuda", generator=gen).to(BF16)
     qr = torch.randn(b, h, 1, 64, device="cuda", generator=gen).to(BF16)
     buf = torch.randn(b, n, 576, device="cuda", generator=gen).to(BF16)
     c, kr = buf[..., :512], buf[..., 512:]
-    seq_lens = torch.tensor([2000, 1], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([2000, 1] * 5, dtype=torch.int32, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -117,7 +122,7 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
     with torch.cuda.graph(g):
         o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.1, None)
     assert calls
-    for lens in ([2000, 1], [2600, 0], [0, 0], [1, 2599]):
+    for lens in ([2000, 1] * 5, [2600, 0, 7, 64, 65, 1000, 2599, 3, 128, 129], [0] * 10, [1, 2599] * 5):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         ql.copy_(torch.randn_like(ql))
         g.replay()

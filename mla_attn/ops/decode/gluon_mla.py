@@ -33,6 +33,8 @@ hang-guarded step. Timing against the Triton kernel: ``scripts/bench_decode.py -
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -252,6 +254,12 @@ def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     return _rows(kv_latent) is not None and _rows(k_rope) is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, el):
+    """The TMA tile's shared-memory layout, built once (eager decode calls pay for every host step)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], el)
+
+
 def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     t2 = t.reshape(rows, t.shape[-1])
     if t2.stride(-1) != 1 or (t2.stride(0) * t2.element_size()) % 16 or t2.data_ptr() % 16:
@@ -297,7 +305,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     el = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, el))
 
     seq_lens = seq_lens.to(torch.int32).contiguous()
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
