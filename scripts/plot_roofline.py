@@ -31,6 +31,8 @@ def main():
 
     with open(args.json) as f:
         data = json.load(f)
+    for r in data["rows"]:  # "triton [gluon]": the op, which ran the Gluon kernel there (plotted as the op)
+        r["impl"] = r["impl"].replace(" [gluon]", "")
     rows = [r for r in data["rows"] if r["impl"] in ("triton", "triton-paged64", "einsum", "sdpa")]
     graph = not args.eager and all(r.get("graph_us") for r in rows)
     for r in rows:  # the rate to plot: same work, the chosen time

@@ -1,13 +1,19 @@
-"""EXPERIMENTAL, never run, not routed: a warp-specialised absorbed-MLA decode microkernel in Gluon.
+"""A warp-specialised absorbed-MLA decode kernel for Hopper, in Gluon.
 
-A probe of the plan in README.md ("Where the absorbed MLA kernel stands"). It asks how fast a 64-row x
-64-key tile of the absorbed MLA decode runs on Hopper when the schedule is written out, before the
-split-KV, paging and varlen machinery of ``triton_decode.py`` is carried over. So the scope is narrow:
-- one new token per sequence;
-- H a multiple of 64;
-- a contiguous [B, N, 512 + 64] cache (latent and rope in one buffer, as the layers keep it);
-- no split: one program per (64 heads, sequence), which fills the GPU at B x H / 64 >= 132;
-- output normalised, with its LSE.
+Session 12 wrote it as a probe of the plan in README.md ("Where the absorbed MLA kernel stands"): how
+fast does a 64-row x 64-key tile of the absorbed MLA decode run when the schedule is written out? On
+the H200 (session 13) it passed its oracle tests first time and beat the Triton kernel's tile rate, so
+it now carries split-KV and paged caches and is routed from ``triton_decode.mla_decode`` where it
+applies and wins (the rule and its numbers: ``triton_decode.GLUON_MLA``). Scope:
+- one new token per sequence (S = 1; speculative rows stay on the Triton kernel);
+- H a multiple of 64, Dc = 512, Dr = 64, bf16 or fp16;
+- a contiguous [B, N, 512] / [B, N, 64] cache, or a paged [num_pages, P, ...] one with P a multiple of
+  64 (a tile never leaves its page: one block-table lookup per tile). Latent and rope may be views
+  into one [..., 576] buffer (as the layers keep it) or two tensors: each is read in place through a
+  2-D TMA descriptor over its rows;
+- split-KV as in the Triton kernel: each sequence cut into num_splits intervals of whole 64-key tiles,
+  fp32 partials merged by ``combine.combine_splits``; an empty interval writes o = 0, lse = -inf;
+- no balanced split across sequences (the Triton kernel keeps the large batches, where that matters).
 
 Partitions (``gl.warp_specialize``, as ``ops/attention/gluon_fwd_ws.py``):
 - **A 1-warp TMA producer.** It loads Q once, as blocks of the latent's columns 0-255 and 256-511 plus
@@ -27,8 +33,15 @@ Partitions (``gl.warp_specialize``, as ``ops/attention/gluon_fwd_ws.py``):
   memory before the last P V.
 
 Shared memory: Q 72 KB plus 2 x 72 KB of ring, 216 KB. Local sm_90a compile: ``scripts/compile_sm90.py
-gluon_mla``. GPU test: ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a
-hang-guarded step. Timing against the Triton kernel: ``scripts/bench_decode.py --gluon-mla``.
+gluon_mla 64,64,4,2 [--paged]`` (168 registers, 140 / 152 bytes of spill stores / loads, as the
+probe). GPU tests: ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a
+hang-guarded step. Timing: ``scripts/bench_decode.py --graph`` (its ``[gluon]`` rows, with the Triton
+kernel beside them) and ``--gluon-mla`` (unsplit, called directly).
+
+H200 (9a604cf, graph replays, H = 128): B = 64 L = 4096 243.0 us (265 TFLOP/s; Triton kernel 258.3),
+B = 16 L = 8192 133.9 us (250; Triton 135.4), paged 64 132.7 us (252; Triton 140.8). Still open: the
+scores are computed twice (once per consumer), and the eager host path costs more than the Triton
+kernel's (bench_decode's eager column: 321 against 226 us at B = 16; CUDA graphs hide it).
 """
 
 from __future__ import annotations
@@ -231,10 +244,19 @@ def _rows(t: torch.Tensor):
     return t.as_strided((r0 * r1, d), (t.stride(1), 1))
 
 
+_HOPPER: dict = {}
+
+
+def _is_hopper(device: torch.device) -> bool:
+    if device not in _HOPPER:  # eager decode pays for every host step: look the capability up once
+        _HOPPER[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return _HOPPER[device]
+
+
 def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
     token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys."""
-    if not (AVAILABLE and q_latent.is_cuda and torch.cuda.get_device_capability(q_latent.device)[0] == 9):
+    if not (AVAILABLE and q_latent.is_cuda and _is_hopper(q_latent.device)):
         return False
     if q_rope is None or k_rope is None or q_latent.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -270,14 +292,16 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
-                     num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168):
+                     num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
+                     checked: bool = False):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
     (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
     (None: ``triton_decode.choose_num_splits`` for one program per SM); their partials are merged by
-    ``combine.combine_splits``. See the module docstring for the schedule."""
-    if not supported(q_latent, q_rope, kv_latent, k_rope, block_table):
+    ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
+    just called :func:`supported` on these inputs (the op's router), so it is not asked again."""
+    if not checked and not supported(q_latent, q_rope, kv_latent, k_rope, block_table):
         raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
                          f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "
                          f"k_rope {None if k_rope is None else tuple(k_rope.shape)}")
@@ -322,5 +346,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
 
 
 def mla_decode_ws(q_latent, q_rope, cache, seq_lens, scale: float, **kw):
-    """The probe's entry point: q_latent [B, H, 512], q_rope [B, H, 64], cache [B, N, 576] -> (o, lse)."""
+    """Unsplit by default (one program per 64 heads and sequence), as first probed: q_latent [B, H, 512],
+    q_rope [B, H, 64], cache [B, N, 576] -> (o, lse)."""
+    kw.setdefault("num_splits", 1)
     return mla_decode_gluon(q_latent, q_rope, cache[..., :DC], cache[..., DC:], seq_lens, None, scale, **kw)

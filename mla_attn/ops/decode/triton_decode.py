@@ -601,7 +601,8 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale
     if config is None and _gluon_mla_takes(q_latent, q_rope, kv_latent, k_rope, block_table, num_splits):
         from .gluon_mla import mla_decode_gluon
 
-        return mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale, num_splits)
+        return mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale, num_splits,
+                                checked=True)
     if block_table is None:
         page_size, capacity = 1, kv_latent.shape[1]
     else:
