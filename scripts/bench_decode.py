@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -291,8 +292,9 @@ def bench_gluon_mla(out):
     from mla_attn.ops.decode import gluon_mla
 
     gen = torch.Generator().manual_seed(0)
-    lines = ["| B | H | L | Triton us | Triton TF/s | Gluon us | Gluon TF/s | max abs diff |", "|---|---|---|---|---|---|---|---|"]
-    for b, h, length in [(128, 128, 8192), (64, 128, 4096), (132, 64, 4096)]:
+    lines = ["| B | H | L | Triton us | Triton TF/s | Gluon us | Gluon TF/s | max abs diff | S once us | S once TF/s |"
+             " max abs diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b, h, length in [(128, 128, 8192), (64, 128, 4096), (132, 64, 4096), (16, 128, 8192)]:
         seq_lens = _varlen(b, length, gen, "cuda")
         buf = torch.randn(b, length, 576, generator=gen).to("cuda", torch.bfloat16)
         ql = torch.randn(b, h, 512, generator=gen).to("cuda", torch.bfloat16)
@@ -304,14 +306,28 @@ def bench_gluon_mla(out):
         def tri():
             return decode_ops.mla_decode(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, scale=scale, impl="triton")
 
+        splits = None if b * h // 64 < 66 else 1  # B = 16: the heuristic's splits
+
         def glu():
-            return gluon_mla.mla_decode_ws(ql, qr, buf, seq_lens, scale)[0]
+            return gluon_mla.mla_decode_ws(ql, qr, buf, seq_lens, scale, num_splits=splits)[0]
+
+        def once():  # the experimental schedule: each score tile computed once
+            return gluon_mla.mla_decode_ws(ql, qr, buf, seq_lens, scale, num_splits=splits, s_once=True)[0]
 
         try:
-            err = (glu().float() - tri().float()).abs().max().item()
+            ref = tri().float()
+            err = (glu().float() - ref).abs().max().item()
             t_t, t_g = _bench_graph(tri), _bench_graph(glu)
             g = f"{t_g * 1e6:.1f} | {flops / t_g / 1e12:.0f}" if err < 0.05 else "wrong | -"
-            lines.append(f"| {b} | {h} | {length} | {t_t * 1e6:.1f} | {flops / t_t / 1e12:.0f} | {g} | {err:.1e} |")
+            try:
+                if os.environ.get("MLA_ATTN_BENCH_S_ONCE", "1") == "0":  # its tests failed: do not time it
+                    raise RuntimeError("skipped (MLA_ATTN_BENCH_S_ONCE=0)")
+                err1 = (once().float() - ref).abs().max().item()
+                t_1 = _bench_graph(once)
+                g1 = f"{t_1 * 1e6:.1f} | {flops / t_1 / 1e12:.0f} | {err1:.1e}" if err1 < 0.05 else f"wrong | - | {err1:.1e}"
+            except Exception as e:  # report, go on
+                g1 = f"failed: {type(e).__name__}: {str(e)[:80]} | |"
+            lines.append(f"| {b} | {h} | {length} | {t_t * 1e6:.1f} | {flops / t_t / 1e12:.0f} | {g} | {err:.1e} | {g1} |")
         except Exception as e:  # report, go on
             lines.append(f"| {b} | {h} | {length} | failed: {type(e).__name__}: {str(e)[:120]} | | | | |")
         print(lines[-1], flush=True)

@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
+    ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -117,7 +118,8 @@ def main():
     elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
         from triton.experimental.gluon import language as gl
 
-        from mla_attn.ops.decode.gluon_mla import _mla_decode_ws as fn
+        from mla_attn.ops.decode.gluon_mla import _mla_decode_s1, _mla_decode_ws
+        fn = _mla_decode_s1 if args.s_once else _mla_decode_ws
 
         def desc(rows, cols):
             return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"

@@ -129,3 +129,20 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
         torch.cuda.synchronize()
         ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=None)
         _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, None, 0.1), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("page,splits", [(None, 1), (64, 3), (128, None)], ids=lambda x: str(x))
+def test_gluon_mla_s_once(page, splits, monkeypatch):
+    """The experimental schedule that scores each tile once (S_ONCE, off by default), forced on: the
+    same oracle checks as through the op (lengths around the tiles, NaN in unused slots, splits)."""
+    monkeypatch.setattr(gm, "S_ONCE", True)
+    calls = _spy(monkeypatch)
+    lens = [0, 1, 63, 64, 65, 700, 1500, 129]
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=11)
+    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
+                                   return_lse=True, impl="triton")
+    assert calls
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)

@@ -47,6 +47,7 @@ kernel's (bench_decode's eager column: 321 against 226 us at B = 16; CUDA graphs
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -61,6 +62,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
+# The schedule that computes each score tile once (``_mla_decode_s1``) instead of once per consumer:
+# written and compiled for sm_90a in session 13, off unless MLA_ATTN_GLUON_MLA_S_ONCE=1 until the H200
+# says it is correct and faster.
+S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -233,6 +238,178 @@ if AVAILABLE:
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
+    # ---- S once per tile (experimental, ``s_once=True``): the scorer of tile t is consumer t % 2 ----
+    # It computes the whole 64 x 64 score tile once, runs the softmax with the running (m, l) handed over
+    # through shared memory by the scorer of t - 1, and publishes P_t (bf16, one [64, 64] buffer) and
+    # (m_t, l_t, alpha_t) (two slots) for both consumers' P V. Barriers: p_ready (count 1: the scorer
+    # published tile t), p_free (count 2: both consumers' P_t V_t are done, so P may be overwritten).
+    # The scorer of t issues S_t, then its P_{t-1} V_{t-1}, and runs softmax_t under that wgmma.
+
+    @gluon.jit
+    def _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES: gl.constexpr,
+               o_layout: gl.constexpr):
+        """Issue acc = acc * alpha_tp + P_tp V_tp (this consumer's half) once P_tp is published."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        sp = tp % STAGES
+        mbarrier.wait(ready.index(sp), (tp // STAGES) & 1)  # V_tp landed (visible to this warpgroup)
+        mbarrier.wait(p_ready, tp & 1)
+        alpha = a_smem.index(tp % 2).load(row_o)
+        acc = acc * alpha[:, None]
+        tail = length - tp * 64
+        if tail < 64:  # the interval's last tile: NaN may sit in the unused rows of V (0 x NaN in a wgmma)
+            z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            keep = (gl.arange(0, 64, layout=gl.SliceLayout(1, z_layout)) < tail)[:, None]
+            for c in gl.static_range(4):
+                sub = kv.index(sp).slice(c * 64, 64, dim=1)
+                sub.store(gl.where(keep, sub.load(z_layout), 0.0))
+            fence_async_shared()
+        return warpgroup_mma(p_smem, kv.index(sp), acc, is_async=True)
+
+    @gluon.jit
+    def _publish_s1(p, m_new, l_new, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready):
+        slot = t % 2
+        p_smem.store(p)
+        m_smem.index(slot).store(m_new)
+        l_smem.index(slot).store(l_new)
+        a_smem.index(slot).store(alpha)
+        fence_async_shared()  # P is read by wgmma (the async proxy)
+        gl.thread_barrier()  # every thread's stores are in before the one arrival
+        mbarrier.arrive(p_ready, count=1)
+
+    @gluon.jit
+    def _softmax_s1(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype: gl.constexpr):
+        s = s * qk_scale
+        if t == n_tiles - 1:
+            s = gl.where((t * 64 + o_n < length)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_prev - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        return p.to(dtype), alpha, m_new, l_prev * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _consumer_s1(C: gl.constexpr, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready,
+                     p_free, q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = ka.dtype
+        if C == 0:
+            kv = ka
+        else:
+            kv = kb
+        o_n = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+        acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+        mbarrier.wait(q_bar, 0)
+        if C == 0:
+            if n_tiles > 0:  # tile 0: consumer 0 scores it, nothing to overlap with
+                mbarrier.wait(ready.index(0), 0)
+                s = _scores(qa, qb, qr, ka, kb, kr, 0, s_zero)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                p, alpha, m_new, l_new = _softmax_s1(s, gl.full([64], float("-inf"), gl.float32, layout=row_s),
+                                                     gl.zeros([64], gl.float32, layout=row_s), 0, n_tiles, length,
+                                                     o_n, qk_scale, dtype)
+                _publish_s1(p, m_new, l_new, alpha, 0, p_smem, m_smem, l_smem, a_smem, p_ready)
+        for t in range(1, n_tiles + 1):
+            tp = t - 1
+            if (t % 2 == C) & (t < n_tiles):
+                st = t % STAGES
+                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+                acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                m_prev = m_smem.index(tp % 2).load(row_s)
+                l_prev = l_smem.index(tp % 2).load(row_s)
+                p, alpha, m_new, l_new = _softmax_s1(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(empty.index(tp % STAGES), count=1)
+                mbarrier.wait(p_free, tp & 1)  # both consumers are done with P_{t-1}
+                _publish_s1(p, m_new, l_new, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+            else:
+                acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(empty.index(tp % STAGES), count=1)
+        m_fin = gl.full([64], float("-inf"), gl.float32, layout=row_o)
+        l_fin = gl.zeros([64], gl.float32, layout=row_o)
+        if n_tiles > 0:  # the last scorer's (m, l): published with P_{n-1}, which this consumer has waited for
+            m_fin = m_smem.index((n_tiles - 1) % 2).load(row_o)
+            l_fin = l_smem.index((n_tiles - 1) % 2).load(row_o)
+        dead = l_fin == 0.0
+        o = acc * (1.0 / gl.where(dead, 1.0, l_fin))[:, None]
+        o_r = gl.arange(0, 64, layout=row_o)
+        o_d = C * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :], o.to(O.dtype.element_ty))
+        if C == 0:
+            lse = gl.where(dead, float("-inf"), (m_fin + gl.log2(gl.where(dead, 1.0, l_fin))) * 0.6931471805599453)
+            gl.store(LSE + o_row0 + o_r, lse)
+
+    @gluon.jit
+    def _consumer0_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+        _consumer_s1(0, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)
+
+    @gluon.jit
+    def _consumer1_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+        _consumer_s1(1, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)
+
+    @gluon.jit
+    def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
+                       stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        i_t = gl.program_id(0)
+        i_b = gl.program_id(1)
+        i_s = gl.program_id(2)
+        seq_len = gl.load(SEQ_LENS + i_b)
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
+        lo = i_s * split_len
+        length = gl.maximum(gl.minimum(lo + split_len, seq_len) - lo, 0)
+        n_tiles = gl.cdiv(length, 64)
+        q_row0 = i_b * H + i_t * 64
+        c_row0 = i_b * N
+        bt_row = BT + i_b.to(gl.int64) * stride_btb
+        o_row0 = i_s.to(gl.int64) * B * H + q_row0
+        dtype: gl.constexpr = ql_desc.dtype
+        qa = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
+        qb = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
+        qr = gl.allocate_shared_memory(dtype, [64, 64], qr_desc.layout)
+        ka = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
+        kb = gl.allocate_shared_memory(dtype, [STAGES, 64, 256], c_desc.layout)
+        kr = gl.allocate_shared_memory(dtype, [STAGES, 64, 64], cr_desc.layout)
+        p_smem = gl.allocate_shared_memory(dtype, [64, 64], qr_desc.layout)
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, 64], vec_layout)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, 64], vec_layout)
+        a_smem = gl.allocate_shared_memory(gl.float32, [2, 64], vec_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_consumer0_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+            (_consumer1_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+            (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
+                         c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def _rows(t: torch.Tensor):
     """A [R0, R1, D] view as a 2-D [R0 * R1, D] TMA source without a copy, or None if its rows are not
     evenly spaced, its rows not 16-byte aligned, or its last dim not unit-stride."""
@@ -293,14 +470,15 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
-                     checked: bool = False):
+                     checked: bool = False, s_once: bool | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
     (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
     (None: ``triton_decode.choose_num_splits`` for one program per SM); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
-    just called :func:`supported` on these inputs (the op's router), so it is not asked again."""
+    just called :func:`supported` on these inputs (the op's router), so it is not asked again.
+    ``s_once``: the experimental schedule that computes each score tile once (None: ``S_ONCE``)."""
     if not checked and not supported(q_latent, q_rope, kv_latent, k_rope, block_table):
         raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
                          f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "
@@ -334,7 +512,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     seq_lens = seq_lens.to(torch.int32).contiguous()
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
     bt_strides = bt.stride() if paged else (0, 0)
-    _mla_decode_ws[(h // BLOCK_H, b, num_splits)](
+    kernel = _mla_decode_s1 if (S_ONCE if s_once is None else s_once) else _mla_decode_ws
+    kernel[(h // BLOCK_H, b, num_splits)](
         desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
