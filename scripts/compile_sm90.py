@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
     ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
+    ap.add_argument("--consumer-regs", type=int, default=232, help="gluon_mla: registers per consumer thread")
+    ap.add_argument("--maxnreg", type=int, default=168, help="gluon_mla: the kernel's register cap")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -126,9 +128,9 @@ def main():
 
         ptrs = {"ql_desc": desc(64, 256), "qr_desc": desc(64, 64), "c_desc": desc(64, 256), "cr_desc": desc(64, 64),
                 "SEQ_LENS": "*i32", "BT": "*i32", "O": "*bf16", "LSE": "*fp32"}
-        const = dict(STAGES=stages, CONSUMER_REGS=232, PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1,
+        const = dict(STAGES=stages, CONSUMER_REGS=args.consumer_regs, PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1,
                      num_warps=warps)
-        kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=168)
+        kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=args.maxnreg)
     elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
         from triton.experimental.gluon import language as gl
 
