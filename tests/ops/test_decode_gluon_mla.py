@@ -133,11 +133,13 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("s_once", [True, False], ids=["s_once", "scores_twice"])
 @pytest.mark.parametrize("page,splits", [(None, 1), (64, 3), (128, None)], ids=lambda x: str(x))
-def test_gluon_mla_s_once(page, splits, monkeypatch):
-    """The experimental schedule that scores each tile once (S_ONCE, off by default), forced on: the
-    same oracle checks as through the op (lengths around the tiles, NaN in unused slots, splits)."""
-    monkeypatch.setattr(gm, "S_ONCE", True)
+def test_gluon_mla_schedules(page, splits, s_once, monkeypatch):
+    """Both consumer schedules, each forced: scores once per tile (S_ONCE, the default) and scores
+    twice (the first version). The same oracle checks as through the op (lengths around the tiles, NaN
+    in unused slots, splits, paged)."""
+    monkeypatch.setattr(gm, "S_ONCE", s_once)
     calls = _spy(monkeypatch)
     lens = [0, 1, 63, 64, 65, 700, 1500, 129]
     ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=11)

@@ -18,30 +18,48 @@ applies and wins (the rule and its numbers: ``triton_decode.GLUON_MLA``). Scope:
 Partitions (``gl.warp_specialize``, as ``ops/attention/gluon_fwd_ws.py``):
 - **A 1-warp TMA producer.** It loads Q once, as blocks of the latent's columns 0-255 and 256-511 plus
   the rope's 64. Then it streams 64-key cache tiles, as the same three column blocks, through a
-  2-stage ring.
-- **Two 4-warp consumers.** Consumer c owns output columns [256 c, 256 c + 256). Each computes the
-  whole 64 x 64 score tile: three chained wgmmas over the three column blocks, Q and K from shared
-  memory. It then runs the whole softmax and issues P V over its own half of the latent. V is the
-  latent block already in shared memory for the scores, so nothing extra is loaded. The scores are
-  thus computed twice (a third more tensor work than the minimum). In exchange the consumers never
-  wait for each other's data, only for their turn to issue (two ``turn`` mbarriers, so that one's
-  softmax runs under the other's wgmmas).
-- **Within a consumer** the schedule is the forward's: S_t is issued beside P_{t-1} V_{t-1}, the
-  softmax of S_t runs under P_{t-1} V_{t-1}, then the stage of tile t - 1 is released.
-- **Unused cache slots may hold NaN.** TMA loads them with the last tile. Their scores are masked,
-  but 0 x NaN is NaN inside a wgmma, so each consumer zeroes those rows of its value half in shared
-  memory before the last P V.
+  2-stage ring (``ready`` barriers on the bytes, ``empty`` on both consumers' releases).
+- **Two 4-warp consumers.** Consumer c owns output columns [256 c, 256 c + 256): acc 64 x 256 fp32.
+  V is the latent block already in shared memory for the scores, so nothing extra is loaded.
 
-Shared memory: Q 72 KB plus 2 x 72 KB of ring, 216 KB. Local sm_90a compile: ``scripts/compile_sm90.py
-gluon_mla 64,64,4,2 [--paged]`` (168 registers, 140 / 152 bytes of spill stores / loads, as the
-probe). GPU tests: ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a
-hang-guarded step. Timing: ``scripts/bench_decode.py --graph`` (its ``[gluon]`` rows, with the Triton
-kernel beside them) and ``--gluon-mla`` (unsplit, called directly).
+Two schedules for the consumers:
+- **Each score tile once** (``_mla_decode_s1``, the default; ``S_ONCE``). Tile t is scored by consumer
+  t % 2: three chained wgmmas (Q and K from shared memory), then the softmax with the running row
+  max and sum that the scorer of t - 1 left in shared memory. The scorer publishes P_t (bf16, one
+  [64, 64] buffer) and (m_t, l_t, alpha_t) (two slots), then arrives on ``p_ready``. Both consumers
+  rescale their acc by alpha_t and issue acc += P_t V_t from shared memory. ``p_free`` (count 2)
+  says both are done with P_t, so the next scorer may overwrite it. The scorer of t issues S_t
+  first, then its P_{t-1} V_{t-1}, and runs softmax_t under that wgmma. The softmax chain is serial
+  across tiles (m_t needs m_{t-1}); the tensor work per tile is the minimum, S once plus P V once.
+  - ptxas reports one injected ``warpgroup.wait`` (C7517): the rescale of acc waits for S_t. It is
+    harmless (P V is issued right after, under the softmax).
+  - sm_90a: 231 KB of shared memory, 168 registers, 360 bytes spilled, outside the tile loop's hot
+    path as far as the SASS shows.
+- **Each score tile twice** (``_mla_decode_ws``, the first version; ``s_once=False``). Each consumer
+  computes the whole score tile and runs the whole softmax itself, so the consumers share no data,
+  only the turn to issue (two ``turn`` mbarriers). That is a third more tensor work. It was 3-7% faster
+  than the Triton kernel; S once is 13-15% faster than this.
 
-H200 (9a604cf, graph replays, H = 128): B = 64 L = 4096 243.0 us (265 TFLOP/s; Triton kernel 258.3),
-B = 16 L = 8192 133.9 us (250; Triton 135.4), paged 64 132.7 us (252; Triton 140.8). Still open: the
-scores are computed twice (once per consumer), and the eager host path costs more than the Triton
-kernel's (bench_decode's eager column: 321 against 226 us at B = 16; CUDA graphs hide it).
+**Unused cache slots may hold NaN.** TMA loads them with the last tile. Their scores are masked, but
+0 x NaN is NaN inside a wgmma, so each consumer zeroes those rows of its value half in shared memory
+before the last P V.
+
+Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [--s-once]``. GPU tests:
+``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a hang-guarded step.
+Timing: ``scripts/bench_decode.py --gluon-mla`` (direct calls; both schedules and the Triton kernel)
+and ``--graph`` (through the op: its ``[gluon]`` rows, with the Triton kernel beside them).
+
+H200, graph replays, H = 128, contiguous cache (62a93a0, ``--gluon-mla``):
+
+| B | L | Triton kernel | scores twice | scores once |
+|---|---|---|---|---|
+| 1 | 32768 | 51.1 us, 179 TFLOP/s | 52.9 us, 173 | 48.7 us, 188 |
+| 16 | 8192 | 136.4 us, 246 | 134.4 us, 249 | 118.8 us, 282 |
+| 64 | 4096 | 248.2 us, 249 | 241.1 us, 257 | 210.1 us, 294 |
+| 128 | 8192 | 890.5 us, 289 | 898.7 us, 286 | 776.3 us, 331 |
+
+Still open: the eager host path costs more than the Triton kernel's. bench_decode's eager column
+reads 321 against 226 us at B = 16; CUDA graphs hide it.
 """
 
 from __future__ import annotations
@@ -62,10 +80,12 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
-# The schedule that computes each score tile once (``_mla_decode_s1``) instead of once per consumer:
-# written and compiled for sm_90a in session 13, off unless MLA_ATTN_GLUON_MLA_S_ONCE=1 until the H200
-# says it is correct and faster.
-S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "0") == "1"
+# The schedule that computes each score tile once (``_mla_decode_s1``) instead of once per consumer
+# (``_mla_decode_ws``). On the H200 (62a93a0, graph replays, H = 128, contiguous cache) it passed every
+# Gluon MLA and MLA decode GPU test and ran B 1 / 16 / 64 / 128 in 48.7 / 118.8 / 210.1 / 776.3 us
+# (188 / 282 / 294 / 331 TFLOP/s), against 52.9 / 134.4 / 241.1 / 898.7 for the two-score schedule
+# and 51.1 / 136.4 / 248.2 / 890.5 for the Triton kernel. MLA_ATTN_GLUON_MLA_S_ONCE=0 turns it off.
+S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -238,7 +258,7 @@ if AVAILABLE:
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
-    # ---- S once per tile (experimental, ``s_once=True``): the scorer of tile t is consumer t % 2 ----
+    # ---- S once per tile (the default, ``S_ONCE``): the scorer of tile t is consumer t % 2 ----
     # It computes the whole 64 x 64 score tile once, runs the softmax with the running (m, l) handed over
     # through shared memory by the scorer of t - 1, and publishes P_t (bf16, one [64, 64] buffer) and
     # (m_t, l_t, alpha_t) (two slots) for both consumers' P V. Barriers: p_ready (count 1: the scorer
@@ -478,7 +498,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     (None: ``triton_decode.choose_num_splits`` for one program per SM); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
     just called :func:`supported` on these inputs (the op's router), so it is not asked again.
-    ``s_once``: the experimental schedule that computes each score tile once (None: ``S_ONCE``)."""
+    ``s_once``: the schedule that computes each score tile once (None: ``S_ONCE``, on by default); False
+    runs the first schedule, where both consumers compute every score tile."""
     if not checked and not supported(q_latent, q_rope, kv_latent, k_rope, block_table):
         raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
                          f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "

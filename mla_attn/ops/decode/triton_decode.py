@@ -556,16 +556,14 @@ def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_spl
 
 
 # The Gluon MLA decode kernel (gluon_mla.py: Hopper, warp-specialised, H a multiple of 64, one new token,
-# pages of 64 keys or more) takes the absorbed MLA decode where it applies and was measured faster on
-# the H200 (f015faa, bench_decode.py --graph, H = 128, graph replay / step of an 8-layer graph):
-# B = 16 L = 8192 134.9 / 128.5 us against 136.7 / 132.7 (paged 133.9 / 128.4 against 141.0 / 137.4);
-# B = 64 L = 4096 242.1 / 236.6 against 257.3 / 253.8. Not taken:
-# - below GLUON_MLA_MIN_PROGRAMS x the SM count of unsplit programs (B x H / 64): at B = 1 (L = 32768,
-#   63 splits of 9 tiles each) it lost, 52.4 / 48.6 us against 51.5 / 47.4;
-# - from about two waves of programs: the Triton kernel's balanced split (BALANCED) tied with it at
-#   B = 128 H = 128 and evens out varlen batches.
-# MLA_ATTN_GLUON_MLA=0 keeps the Triton kernel everywhere. An explicit num_splits takes it wherever it
-# applies (the tests use that).
+# pages of 64 keys or more) takes the absorbed MLA decode wherever it applies. With its default schedule
+# (each score tile once, gluon_mla.S_ONCE) it beat the Triton kernel at every H = 128 benchmark row on
+# the H200 (62a93a0, graph replays): B 1 / 16 / 64 / 128 in 48.7 / 118.8 / 210.1 / 776.3 us against
+# 51.1 / 136.4 / 248.2 / 890.5, the last against the Triton kernel's balanced split.
+# With the first schedule (S_ONCE off, both consumers scoring every tile) it lost at B = 1 and tied at
+# B = 128. So it is then not taken below GLUON_MLA_MIN_PROGRAMS x the SM count of unsplit programs
+# (B x H / 64) nor from about two waves of programs; an explicit num_splits still takes it (tests).
+# MLA_ATTN_GLUON_MLA=0 keeps the Triton kernel everywhere.
 GLUON_MLA = os.environ.get("MLA_ATTN_GLUON_MLA", "1") != "0"
 GLUON_MLA_MIN_PROGRAMS = 1 / 8
 
@@ -577,6 +575,8 @@ def _gluon_mla_takes(q_latent, q_rope, kv_latent, k_rope, block_table, num_split
 
     if not gluon_mla.supported(q_latent, q_rope, kv_latent, k_rope, block_table):
         return False
+    if gluon_mla.S_ONCE:
+        return True
     programs = q_latent.shape[0] * (q_latent.shape[1] // gluon_mla.BLOCK_H)
     sms = _num_sms(q_latent.device)
     return num_splits is not None or GLUON_MLA_MIN_PROGRAMS * sms <= programs < 1.5 * sms
