@@ -62,3 +62,56 @@ def test_cpu_tensors_never_route_to_gluon():
     q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     assert not function._gluon_takes(q, q, q)
     assert not gluon_fwd.supported(q, q, q) and not gluon_bwd.supported(q, q, q)
+
+
+# ---- the Gluon MLA decode kernel (ops/decode/gluon_mla.py) ----
+
+def test_mla_rows_reads_latent_and_rope_in_place():
+    """One [pages, P, 576] buffer seen as latent [.., :512] and rope [.., 512:]: each becomes a 2-D
+    [pages * P, D] view of the same memory (row r = page * P + slot), no copy."""
+    from mla_attn.ops.decode import gluon_mla as gm
+
+    buf = torch.randn(3, 64, 576, dtype=torch.bfloat16)
+    c, kr = buf[..., :512], buf[..., 512:]
+    c2, kr2 = gm._rows(c), gm._rows(kr)
+    assert c2.shape == (192, 512) and kr2.shape == (192, 64)
+    assert c2.data_ptr() == c.data_ptr() and kr2.data_ptr() == kr.data_ptr()
+    for page, slot in ((0, 0), (1, 17), (2, 63)):
+        assert torch.equal(c2[page * 64 + slot], c[page, slot])
+        assert torch.equal(kr2[page * 64 + slot], kr[page, slot])
+
+
+def test_mla_rows_refuses_what_tma_cannot_read():
+    from mla_attn.ops.decode import gluon_mla as gm
+
+    buf = torch.randn(2, 8, 600, dtype=torch.bfloat16)
+    assert gm._rows(buf[:, :, :512]) is not None  # row stride 600 x 2 B = 1200, a multiple of 16
+    assert gm._rows(buf[:, :4, :512]) is None  # rows not evenly spaced across the first dim
+    assert gm._rows(torch.randn(2, 8, 515, dtype=torch.bfloat16)[..., :512]) is None  # 1030-byte rows
+    assert gm._rows(buf[..., 1:513]) is None  # start not 16-byte aligned
+    assert gm._rows(torch.randn(2, 8, 512, dtype=torch.bfloat16).transpose(0, 1)) is None
+
+
+def test_mla_query_rows_copies_only_when_needed():
+    from mla_attn.ops.decode import gluon_mla as gm
+
+    q = torch.randn(2, 128, 1, 512, dtype=torch.bfloat16)
+    assert gm._query_rows(q, 256).data_ptr() == q.data_ptr()
+    wide = torch.randn(2, 128, 1, 576, dtype=torch.bfloat16)
+    ql, qr = wide[..., :512], wide[..., 512:]
+    assert gm._query_rows(ql, 256).data_ptr() == ql.data_ptr()  # a view: row stride 576
+    assert torch.equal(gm._query_rows(qr, 256), qr.reshape(256, 64))
+    odd = torch.randn(2, 128, 1, 513, dtype=torch.bfloat16)[..., 1:]
+    out = gm._query_rows(odd, 256)
+    assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, odd.reshape(256, 512))
+
+
+def test_mla_cpu_tensors_never_route_to_gluon():
+    from mla_attn.ops.decode import gluon_mla as gm
+    from mla_attn.ops.decode import triton_decode as td
+
+    ql = torch.randn(1, 128, 1, 512, dtype=torch.bfloat16)
+    qr = torch.randn(1, 128, 1, 64, dtype=torch.bfloat16)
+    buf = torch.randn(1, 64, 576, dtype=torch.bfloat16)
+    assert not gm.supported(ql, qr, buf[..., :512], buf[..., 512:])
+    assert not td._gluon_mla_takes(ql, qr, buf[..., :512], buf[..., 512:], None, None)
