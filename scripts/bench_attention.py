@@ -74,6 +74,17 @@ def _ms_pair(fa, fb, grads=None):
     return (a1 + a2) / 2, (b1 + b2) / 2
 
 
+def _no_side(fn):
+    """fn() with the backward's side-stream dQ switched off for the call."""
+    from mla_attn.ops.attention import triton_bwd
+
+    old, triton_bwd.SIDE_STREAM_DQ = triton_bwd.SIDE_STREAM_DQ, False
+    try:
+        return fn()
+    finally:
+        triton_bwd.SIDE_STREAM_DQ = old
+
+
 def _extra_mib(fn, q, k, v, do):
     for t in (q, k, v):
         t.grad = None
@@ -212,6 +223,17 @@ def bench_gluon(out=None):
         triton_bwd.GLUON_DQ = False
         print(f"  + Gluon dQ: fwd+bwd {msg}", flush=True)
         lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | default + Gluon dQ | {msg} |")
+        # The dQ pass on a side stream, beside the dK/dV pass (off by default until timed here).
+        triton_bwd.SIDE_STREAM_DQ = True
+        try:
+            t_side, t_one = _ms_pair(lambda: _ours(qg, kg, vg, scale).backward(do),
+                                     lambda: _no_side(lambda: _ours(qg, kg, vg, scale).backward(do)), [qg, kg, vg])
+            msg = f"{3.5 * flops / t_side / 1e9:.0f} (one stream, same run: {3.5 * flops / t_one / 1e9:.0f})"
+        except Exception as e:  # report, go on
+            msg = f"failed: {type(e).__name__}: {str(e)[:120]}"
+        triton_bwd.SIDE_STREAM_DQ = False
+        print(f"  + dQ on a side stream: fwd+bwd {msg}", flush=True)
+        lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | default, dQ on a side stream | {msg} |")
         fb["sdpa"] = _ms(lambda: _sdpa(qg, kg, vg, scale).backward(do), [qg, kg, vg])
         lines_fb.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {3.5 * flops / fb['gluon'] / 1e9:.0f} | "
                         f"{3.5 * flops / fb['triton'] / 1e9:.0f} | {3.5 * flops / fb['sdpa'] / 1e9:.0f} | "

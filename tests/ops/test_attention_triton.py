@@ -336,6 +336,44 @@ def test_gpu_deterministic():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_gpu_side_stream_dq_same_gradients(strided, monkeypatch):
+    """The dQ pass on a side stream (triton_bwd.SIDE_STREAM_DQ, off by default): gradients bitwise equal
+    to the one-stream backward, against the oracle, and again inside a captured CUDA graph."""
+    from mla_attn.ops.attention import triton_bwd
+
+    _check(2, 8, 2, 300, 333, 128, 128, True, torch.bfloat16, device="cuda", strided=strided)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(*s_, device="cuda", generator=g).to(torch.bfloat16)
+                   for s_ in ((2, 8, 700, 128), (2, 2, 700, 128), (2, 2, 700, 128), (2, 8, 700, 128)))
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flash_attention(*leaves, True, 0.09)[0].backward(do)
+        return [t.grad for t in leaves]
+
+    one = grads()
+    monkeypatch.setattr(triton_bwd, "SIDE_STREAM_DQ", True)
+    _check(2, 8, 2, 300, 333, 128, 128, True, torch.bfloat16, device="cuda", strided=strided)
+    two = grads()
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        dq, dk, dv = torch.autograd.grad(flash_attention(*leaves, True, 0.09)[0], leaves, do)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dq, dk, dv = torch.autograd.grad(flash_attention(*leaves, True, 0.09)[0], leaves, do)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(one, (dq, dk, dv)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_and_autocast():
     def f(q, k, v):
         return flash_attention(q, k, v, True, 64 ** -0.5)[0].float().square().mean()

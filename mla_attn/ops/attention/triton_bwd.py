@@ -16,6 +16,7 @@ their gradients are 0. Causal alignment is bottom-right, as in the forward (trit
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -36,6 +37,20 @@ GLUON_DQ = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_DQ", "0") == "1"
 # Token-major inputs ([B, L, H, D] seen through transpose(1, 2), the layers' layout) read in place by the
 # Gluon dK/dV pass, as by the forward (function.py); MLA_ATTN_GLUON_TOKEN_MAJOR=0 turns both off.
 GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "1") != "0"
+# The dQ pass and the dK/dV pass read the same inputs and write different outputs, so they can run at
+# once: with this on, the dQ pass goes to a side stream (forked from and joined back to the current one)
+# and its programs fill the SMs that the dK/dV pass's last wave leaves idle. Each pass stays
+# deterministic. Written in session 13 without a GPU: off unless MLA_ATTN_BWD_SIDE_STREAM=1 until the
+# H200 shows a gain (bench_attention.py --gluon times it).
+SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "0") == "1"
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per device, made once (a stream per call would cost a driver call each time)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
 
 
 # Backward tile tables (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on the H200
@@ -397,6 +412,14 @@ def flash_attn_bwd(
         # is dropped so that a NaN there cannot reach dS (0 * NaN).
         delta -= torch.where(torch.isneginf(lse), torch.zeros_like(dlse, dtype=torch.float32), dlse.float())
 
+    # dQ on a side stream (SIDE_STREAM_DQ), forked here, after delta and before the dK/dV pass is
+    # queued, so that the two passes overlap. The current stream waits for it before anything after
+    # this backward; the buffers it touches were all made on the current stream, which does nothing
+    # more with them until then.
+    side = _side_stream(q.device) if SIDE_STREAM_DQ and q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+
     # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
     # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
     contiguous = all(t.is_contiguous() for t in (q, k, v, do))
@@ -411,9 +434,10 @@ def flash_attn_bwd(
     if dkdv_done:
         gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,
                              token_major=not contiguous)
-    dq_done = gluon_ok and contiguous and dq_config is None and GLUON_DQ
-    if dq_done:
-        gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        dq_done = gluon_ok and contiguous and dq_config is None and GLUON_DQ
+        if dq_done:
+            gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
 
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg
@@ -449,7 +473,10 @@ def flash_attn_bwd(
     if not dkdv_done:
         launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
                              pinned=dkdv_config is not None)
-    if not dq_done:
-        launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
-                             pinned=dq_config is not None)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if not dq_done:
+            launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
+                                 pinned=dq_config is not None)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv
