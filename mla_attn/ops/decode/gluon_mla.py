@@ -120,6 +120,17 @@ if AVAILABLE:
         return s
 
     @gluon.jit
+    def _zero_tail_rows(v, tail):
+        """Zero rows >= tail of a [64, 256] value block in shared memory. They are unused cache slots
+        (NaN allowed): P is 0 there, but 0 x NaN is NaN inside a wgmma."""
+        z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keep = (gl.arange(0, 64, layout=gl.SliceLayout(1, z_layout)) < tail)[:, None]
+        for c in gl.static_range(4):
+            sub = v.slice(c * 64, 64, dim=1)
+            sub.store(gl.where(keep, sub.load(z_layout), 0.0))
+        fence_async_shared()
+
+    @gluon.jit
     def _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype: gl.constexpr):
         s = s * qk_scale
         if t == n_tiles - 1:  # the last tile's tail: past the interval (unused slots, another sequence, TMA's 0)
@@ -178,15 +189,9 @@ if AVAILABLE:
             last = (n_tiles - 1) % STAGES
             tail = length - (n_tiles - 1) * 64
             if tail < 64:
-                # The last tile's rows past the interval are unused cache slots: P is 0 there, but 0 x NaN
-                # is NaN in the wgmma, so zero those rows of this consumer's value half first. (The other
-                # consumer's score wgmma may read them meanwhile: those columns are masked to -inf.)
-                z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                keep = (gl.arange(0, 64, layout=gl.SliceLayout(1, z_layout)) < tail)[:, None]
-                for c in gl.static_range(4):
-                    sub = kv.index(last).slice(c * 64, 64, dim=1)
-                    sub.store(gl.where(keep, sub.load(z_layout), 0.0))
-                fence_async_shared()
+                # (The other consumer's score wgmma may read these rows meanwhile: their columns are
+                # masked to -inf.)
+                _zero_tail_rows(kv.index(last), tail)
             acc = warpgroup_mma(p_op, kv.index(last), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(last), count=1)
@@ -214,9 +219,9 @@ if AVAILABLE:
                   STAGES)
 
     @gluon.jit
-    def _mla_decode_ws(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
-                       stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    def _program_rows(SEQ_LENS, BT, H, N, B, num_splits, stride_btb):
+        """This program's (64-head tile, sequence, split) -> (interval start lo, its length, 64-key tiles,
+        first query row, first contiguous-cache row, block-table row, first output row)."""
         i_t = gl.program_id(0)  # 64-head tile
         i_b = gl.program_id(1)  # sequence
         i_s = gl.program_id(2)  # KV interval (split)
@@ -225,11 +230,17 @@ if AVAILABLE:
         split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
         lo = i_s * split_len
         length = gl.maximum(gl.minimum(lo + split_len, seq_len) - lo, 0)
-        n_tiles = gl.cdiv(length, 64)
         q_row0 = i_b * H + i_t * 64  # rows of the [B * H, 512] / [B * H, 64] query views and of o
-        c_row0 = i_b * N  # contiguous cache: rows of the [B * N, 576] view
-        bt_row = BT + i_b.to(gl.int64) * stride_btb
         o_row0 = i_s.to(gl.int64) * B * H + q_row0  # split-major partials [num_splits, B * H, 512]
+        return (lo, length, gl.cdiv(length, 64), q_row0, i_b * N, BT + i_b.to(gl.int64) * stride_btb,
+                o_row0)
+
+    @gluon.jit
+    def _mla_decode_ws(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
+                       stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
+                                                                             stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
         qa = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
         qb = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
@@ -276,13 +287,8 @@ if AVAILABLE:
         alpha = a_smem.index(tp % 2).load(row_o)
         acc = acc * alpha[:, None]
         tail = length - tp * 64
-        if tail < 64:  # the interval's last tile: NaN may sit in the unused rows of V (0 x NaN in a wgmma)
-            z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            keep = (gl.arange(0, 64, layout=gl.SliceLayout(1, z_layout)) < tail)[:, None]
-            for c in gl.static_range(4):
-                sub = kv.index(sp).slice(c * 64, 64, dim=1)
-                sub.store(gl.where(keep, sub.load(z_layout), 0.0))
-            fence_async_shared()
+        if tail < 64:  # the interval's last tile
+            _zero_tail_rows(kv.index(sp), tail)
         return warpgroup_mma(p_smem, kv.index(sp), acc, is_async=True)
 
     @gluon.jit
@@ -295,17 +301,6 @@ if AVAILABLE:
         fence_async_shared()  # P is read by wgmma (the async proxy)
         gl.thread_barrier()  # every thread's stores are in before the one arrival
         mbarrier.arrive(p_ready, count=1)
-
-    @gluon.jit
-    def _softmax_s1(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype: gl.constexpr):
-        s = s * qk_scale
-        if t == n_tiles - 1:
-            s = gl.where((t * 64 + o_n < length)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_prev, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_prev - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        return p.to(dtype), alpha, m_new, l_prev * alpha + gl.sum(p, 1)
 
     @gluon.jit
     def _consumer_s1(C: gl.constexpr, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready,
@@ -330,7 +325,7 @@ if AVAILABLE:
                 mbarrier.wait(ready.index(0), 0)
                 s = _scores(qa, qb, qr, ka, kb, kr, 0, s_zero)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                p, alpha, m_new, l_new = _softmax_s1(s, gl.full([64], float("-inf"), gl.float32, layout=row_s),
+                p, alpha, m_new, l_new = _softmax(s, gl.full([64], float("-inf"), gl.float32, layout=row_s),
                                                      gl.zeros([64], gl.float32, layout=row_s), 0, n_tiles, length,
                                                      o_n, qk_scale, dtype)
                 _publish_s1(p, m_new, l_new, alpha, 0, p_smem, m_smem, l_smem, a_smem, p_ready)
@@ -344,7 +339,7 @@ if AVAILABLE:
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
                 m_prev = m_smem.index(tp % 2).load(row_s)
                 l_prev = l_smem.index(tp % 2).load(row_s)
-                p, alpha, m_new, l_new = _softmax_s1(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype)
+                p, alpha, m_new, l_new = _softmax(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(p_free, count=1)
                 mbarrier.arrive(empty.index(tp % STAGES), count=1)
@@ -385,18 +380,8 @@ if AVAILABLE:
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        i_t = gl.program_id(0)
-        i_b = gl.program_id(1)
-        i_s = gl.program_id(2)
-        seq_len = gl.load(SEQ_LENS + i_b)
-        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
-        lo = i_s * split_len
-        length = gl.maximum(gl.minimum(lo + split_len, seq_len) - lo, 0)
-        n_tiles = gl.cdiv(length, 64)
-        q_row0 = i_b * H + i_t * 64
-        c_row0 = i_b * N
-        bt_row = BT + i_b.to(gl.int64) * stride_btb
-        o_row0 = i_s.to(gl.int64) * B * H + q_row0
+        lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
+                                                                             stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
         qa = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
         qb = gl.allocate_shared_memory(dtype, [64, 256], ql_desc.layout)
