@@ -227,15 +227,15 @@ def bench_gluon(out=None):
         triton_bwd.GLUON_DQ = False
         print(f"  + Gluon dQ: fwd+bwd {msg}", flush=True)
         lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | default + Gluon dQ | {msg} |")
-        # The dQ pass on a side stream, beside the dK/dV pass (off by default until timed here).
-        triton_bwd.SIDE_STREAM_DQ = True
+        # The dQ pass on a side stream, beside the dK/dV pass (the default), against one stream.
+        side_default, triton_bwd.SIDE_STREAM_DQ = triton_bwd.SIDE_STREAM_DQ, True
         try:
             t_side, t_one = _ms_pair(lambda: _ours(qg, kg, vg, scale).backward(do),
                                      lambda: _no_side(lambda: _ours(qg, kg, vg, scale).backward(do)), [qg, kg, vg])
             msg = f"{3.5 * flops / t_side / 1e9:.0f} (one stream, same run: {3.5 * flops / t_one / 1e9:.0f})"
         except Exception as e:  # report, go on
             msg = f"failed: {type(e).__name__}: {str(e)[:120]}"
-        triton_bwd.SIDE_STREAM_DQ = False
+        triton_bwd.SIDE_STREAM_DQ = side_default
         print(f"  + dQ on a side stream: fwd+bwd {msg}", flush=True)
         lines_fb_var.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | default, dQ on a side stream | {msg} |")
         fb["sdpa"] = _ms(lambda: _sdpa(qg, kg, vg, scale).backward(do), [qg, kg, vg])

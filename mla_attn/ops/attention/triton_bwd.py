@@ -40,9 +40,11 @@ GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", 
 # The dQ pass and the dK/dV pass read the same inputs and write different outputs, so they can run at
 # once: with this on, the dQ pass goes to a side stream (forked from and joined back to the current one)
 # and its programs fill the SMs that the dK/dV pass's last wave leaves idle. Each pass stays
-# deterministic. Written in session 13 without a GPU: off unless MLA_ATTN_BWD_SIDE_STREAM=1 until the
-# H200 shows a gain (bench_attention.py --gluon times it).
-SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "0") == "1"
+# deterministic, and the gradients are bitwise those of one stream (test_gpu_side_stream_dq_same_gradients,
+# also from a captured CUDA graph). On the H200 (d3655cf, bench_attention.py --gluon, the two timed in
+# A B B A order in one run) fwd+bwd went 381 -> 384, 379 -> 384, 307 -> 318, 343 -> 342 TFLOP/s on the
+# four benchmark rows: on by default; MLA_ATTN_BWD_SIDE_STREAM=0 keeps one stream.
+SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "1") != "0"
 _SIDE_STREAMS: dict = {}
 
 

@@ -1,0 +1,104 @@
+"""Where the Gluon MLA decode kernel's time goes (H200 diagnostics, not a benchmark table for users).
+
+Three probes, each timed as CUDA-graph replays (triton.testing.do_bench median):
+
+1. **Tile rate.** Unsplit calls with one program per SM (B x H/64 = 132) at fixed lengths L: the time
+   against L / 64 tiles is a line whose slope is the steady time per 64-key tile and whose intercept is
+   the per-program fixed cost (Q load, ring fill, epilogue, launch).
+2. **Same, cache in L2.** A paged cache where every sequence's block table points at the same pages, so
+   the programs read one sequence's few MB: the slope without HBM (compute, shared memory and the L2
+   path only).
+3. **Batch 1 split sweep.** B = 1, H = 128, L = 32768: the step's time against num_splits, with the
+   decode kernel's and the combine's own GPU durations (torch.profiler).
+
+    PYTHONPATH=. python3 scripts/probe_mla_decode.py [OUT.md]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode import _bench_graph  # noqa: E402
+from profile_decode import _kernel_us  # noqa: E402
+
+
+def _fit(xs, ys):
+    """Least-squares line y = a + b x -> (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def main(out):
+    from mla_attn.ops.decode import gluon_mla
+
+    gen = torch.Generator().manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    scale = 192 ** -0.5
+    lines = [f"# Gluon MLA decode probe ({torch.cuda.get_device_name()})", ""]
+
+    def queries(b, h):
+        return (torch.randn(b, h, 512, generator=gen).to(dev, dt), torch.randn(b, h, 64, generator=gen).to(dev, dt))
+
+    lengths = [64, 1024, 4096, 8192]
+    lines += ["## Tile rate (unsplit, one program per SM, graph replay us)", "",
+              "| B | H | cache | schedule | " + " | ".join(f"L {n}" for n in lengths) + " | us per 64-key tile | fixed us |"
+              " TFLOP/s per tile |", "|---|---|---|---|" + "---|" * len(lengths) + "---|---|---|"]
+    for b, h in [(132, 64), (66, 128)]:
+        ql, qr = queries(b, h)
+        for cache in ("hbm", "l2"):
+            for s_once in (True, False):
+                times = []
+                for n in lengths:
+                    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+                    if cache == "hbm":
+                        buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+                        kv, kr, bt = buf[..., :512], buf[..., 512:], None
+                    else:  # every sequence's pages are the same n / 64 pages: the whole cache stays in L2
+                        pages = torch.randn(n // 64, 64, 576, generator=gen).to(dev, dt)
+                        kv, kr = pages[..., :512], pages[..., 512:]
+                        bt = torch.arange(n // 64, dtype=torch.int32, device=dev).expand(b, -1).contiguous()
+
+                    def step():
+                        return gluon_mla.mla_decode_gluon(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=1,
+                                                          s_once=s_once)[0]
+
+                    t = _bench_graph(step)
+                    times.append(t * 1e6 if t else float("nan"))
+                    torch.cuda.empty_cache()
+                a, slope = _fit([n / 64 for n in lengths], times)
+                tf = 2 * 64 * 64 * 1088 * (b * h // 64) / (slope * 1e-6) / 1e12
+                lines.append(f"| {b} | {h} | {cache} | {'S once' if s_once else 'scores twice'} | "
+                             + " | ".join(f"{t:.1f}" for t in times) + f" | {slope:.3f} | {a:.1f} | {tf:.0f} |")
+                print(lines[-1], flush=True)
+
+    lines += ["", "## Batch 1, H 128, L 32768 (fixed length): split count", "",
+              "| num_splits | step us (graph) | TFLOP/s | decode kernel us | combine us |", "|---|---|---|---|---|"]
+    b, h, n = 1, 128, 32768
+    ql, qr = queries(b, h)
+    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    flops = 2.0 * h * n * 1088
+    for splits in (16, 32, 48, 63, 66, 96, 128):
+        def step():
+            return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, scale,
+                                              num_splits=splits)[0]
+
+        t = _bench_graph(step)
+        ks = _kernel_us(step)
+        dec = sum(v for k, v in ks.items() if "mla_decode" in k)
+        comb = sum(v for k, v in ks.items() if "combine" in k)
+        lines.append(f"| {splits} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | {dec:.1f} | {comb:.1f} |")
+        print(lines[-1], flush=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "probe_mla_decode.md")
