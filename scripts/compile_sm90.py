@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
+    ap.add_argument("--trace", action="store_true", help="gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -130,6 +131,12 @@ def main():
                 "SEQ_LENS": "*i32", "BT": "*i32", "O": "*bf16", "LSE": "*fp32"}
         const = dict(STAGES=stages, CONSUMER_REGS=args.consumer_regs, PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1,
                      num_warps=warps)
+        if args.s_once:  # the S-once kernel's clock64 stamps (scripts/trace_mla_decode.py): --trace
+            if args.trace:
+                ptrs["TR"] = "*i64"
+                const["TRACE"] = True
+            else:
+                const.update(TR=None, TRACE=False)
         kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=args.maxnreg)
     elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
         from triton.experimental.gluon import language as gl

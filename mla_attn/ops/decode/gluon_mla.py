@@ -90,9 +90,27 @@ DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
 if AVAILABLE:
+    # TRACE builds' stamp buffer: [4, TRACE_TILES, TRACE_EVENTS] int64: rows 0 and 1 the consumers' tile loops,
+    # row 2 the producer's, row 3 the prologue and epilogue (scripts/trace_mla_decode.py reads it)
+    TRACE_TILES = gl.constexpr(64)
+    TRACE_EVENTS = gl.constexpr(8)
+
+    @gluon.jit
+    def _stamp(TR, on, who, t, event):
+        """TRACE builds only (scripts/trace_mla_decode.py): this SM's clock64 into TR[who, t, event] for
+        key tiles t < TRACE_TILES, from the program that ``on`` marks. A constexpr-off build has no trace."""
+        slot = (who * TRACE_TILES + gl.minimum(t, TRACE_TILES - 1)) * TRACE_EVENTS + event
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [slot], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        if on & (t < TRACE_TILES):
+            gl.store(TR + slot, clk)
+
     @gluon.jit
     def _producer(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0, lo,
-                  bt_row, stride_btp, n_tiles, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+                  bt_row, stride_btp, n_tiles, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
+                  TR=None, tr_on=False, TRACE: gl.constexpr = False):
+        if TRACE:
+            _stamp(TR, tr_on, 3, 2, 0)  # the producer starts
         mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ql_desc, [q_row0, 0], q_bar, qa)
         tma.async_copy_global_to_shared(ql_desc, [q_row0, 256], q_bar, qb)
@@ -100,6 +118,8 @@ if AVAILABLE:
         for t in range(n_tiles):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            if TRACE:
+                _stamp(TR, tr_on, 2, t, 0)  # stage free: tile t's loads issue now
             pos = lo + t * 64
             if PAGED:  # a 64-key tile never leaves its page (PAGE_SIZE % 64 == 0): one lookup per tile
                 page = gl.load(bt_row + (pos // PAGE_SIZE) * stride_btp)
@@ -304,7 +324,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_s1(C: gl.constexpr, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready,
-                     p_free, q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+                     p_free, q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr,
+                     TR=None, tr_on=False, TRACE: gl.constexpr = False):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,7 +340,11 @@ if AVAILABLE:
         o_n = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
         acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
         s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+        if TRACE:
+            _stamp(TR, tr_on, 3, C, 0)  # this consumer starts
         mbarrier.wait(q_bar, 0)
+        if TRACE:
+            _stamp(TR, tr_on, 3, C, 1)  # Q landed
         if C == 0:
             if n_tiles > 0:  # tile 0: consumer 0 scores it, nothing to overlap with
                 mbarrier.wait(ready.index(0), 0)
@@ -329,27 +354,54 @@ if AVAILABLE:
                                                      gl.zeros([64], gl.float32, layout=row_s), 0, n_tiles, length,
                                                      o_n, qk_scale, dtype)
                 _publish_s1(p, m_new, l_new, alpha, 0, p_smem, m_smem, l_smem, a_smem, p_ready)
+                if TRACE:
+                    _stamp(TR, tr_on, 3, C, 2)  # P_0 published
         for t in range(1, n_tiles + 1):
             tp = t - 1
+            # TRACE events of loop step t (scripts/trace_mla_decode.py): 0 tile t landed, 1 S_t issued,
+            # 2 P_{t-1} V_{t-1} issued (P_{t-1} published), 3 S_t done, 4 softmax_t done, 5 P_{t-1} V_{t-1}
+            # done, 6 the other consumer done with P_{t-1}, 7 P_t published.
             if (t % 2 == C) & (t < n_tiles):
                 st = t % STAGES
                 mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 0)
                 s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 1)
                 acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 2)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 3)
                 m_prev = m_smem.index(tp % 2).load(row_s)
                 l_prev = l_smem.index(tp % 2).load(row_s)
                 p, alpha, m_new, l_new = _softmax(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 4)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 5)
                 mbarrier.arrive(p_free, count=1)
                 mbarrier.arrive(empty.index(tp % STAGES), count=1)
                 mbarrier.wait(p_free, tp & 1)  # both consumers are done with P_{t-1}
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 6)
                 _publish_s1(p, m_new, l_new, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 7)
             else:
                 acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 2)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 5)
                 mbarrier.arrive(p_free, count=1)
                 mbarrier.arrive(empty.index(tp % STAGES), count=1)
+        if TRACE:
+            _stamp(TR, tr_on, 3, C, 3)  # the tile loop is done
         m_fin = gl.full([64], float("-inf"), gl.float32, layout=row_o)
         l_fin = gl.zeros([64], gl.float32, layout=row_o)
         if n_tiles > 0:  # the last scorer's (m, l): published with P_{n-1}, which this consumer has waited for
@@ -363,23 +415,25 @@ if AVAILABLE:
         if C == 0:
             lse = gl.where(dead, float("-inf"), (m_fin + gl.log2(gl.where(dead, 1.0, l_fin))) * 0.6931471805599453)
             gl.store(LSE + o_row0 + o_r, lse)
+        if TRACE:
+            _stamp(TR, tr_on, 3, C, 4)  # the output stores are issued
 
     @gluon.jit
     def _consumer0_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
-                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
         _consumer_s1(0, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
-                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)
 
     @gluon.jit
     def _consumer1_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
-                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
         _consumer_s1(1, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
-                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)
 
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -405,13 +459,15 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
+        # TRACE: program (0, 0, 0) stamps its tile loop (scripts/trace_mla_decode.py)
+        tr_on = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
         gl.warp_specialize([
             (_consumer0_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)),
             (_consumer1_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)),
             (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
-                         c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES)),
+                         c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -475,7 +531,7 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
-                     checked: bool = False, s_once: bool | None = None):
+                     checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
@@ -524,6 +580,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+        **({"TR": trace, "TRACE": True} if trace is not None else {}),
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))

@@ -1,0 +1,114 @@
+"""Timeline of one program of the Gluon MLA decode kernel's S-once schedule (H200 diagnostics).
+
+Runs the TRACE build of ``gluon_mla._mla_decode_s1`` (clock64 stamps, constexpr-off in the normal
+build: its SASS is unchanged) and prints, for program (0, 0, 0):
+- the median cycles of each step of a steady tile (scorer's ready wait, S, softmax, P V, hand-over);
+- the raw event timeline of a few steady tiles, relative to one publish;
+- the prologue and epilogue (producer start, Q landed, P_0 published, loop done, stores issued).
+The stamped build spills more (860 against 360 bytes), so its times are an upper bound; its total is
+printed beside the normal build's.
+
+    PYTHONPATH=. python3 scripts/trace_mla_decode.py [OUT.txt]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+EVENTS = ["tile landed", "S issued", "PV(t-1) issued", "S done", "softmax done", "PV(t-1) done", "P(t-1) free",
+          "P(t) published"]
+
+
+def _run(b, h, n, splits, out_lines):
+    import triton
+
+    from mla_attn.ops.decode import gluon_mla
+
+    gen = torch.Generator().manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    ql = torch.randn(b, h, 512, generator=gen).to(dev, dt)
+    qr = torch.randn(b, h, 64, generator=gen).to(dev, dt)
+    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    tiles, events = gluon_mla.TRACE_TILES.value, gluon_mla.TRACE_EVENTS.value
+    tr = torch.zeros(4, tiles, events, dtype=torch.int64, device=dev)
+
+    def call(trace=None):
+        return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
+                                          num_splits=splits, trace=trace)[0]
+
+    ref = call()
+    for _ in range(3):
+        tr.zero_()
+        got = call(tr)
+    torch.cuda.synchronize()
+    assert (got.float() - ref.float()).abs().max().item() < 1e-2, "the TRACE build's output differs"
+    t_plain = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
+    t_trace = triton.testing.do_bench(lambda: call(tr), warmup=10, rep=50, return_mode="median") * 1e3
+    x = tr.cpu()
+    n_tiles = -(-(-(-n // splits)) // 64)
+    add = out_lines.append
+    add(f"\n## B {b}, H {h}, L {n}, splits {splits}: program (0, 0, 0), {n_tiles} tiles")
+    add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
+    pro = x[3]
+    t0 = int(pro[2, 0])
+    add("prologue / epilogue, cycles from the producer's start: "
+        + ", ".join(f"{name} {int(v) - t0}" for name, v in [
+            ("consumer 0 start", pro[0, 0]), ("consumer 1 start", pro[1, 0]), ("Q landed", pro[0, 1]),
+            ("P_0 published", pro[0, 2]), ("loop done c0", pro[0, 3]), ("loop done c1", pro[1, 3]),
+            ("stores issued c0", pro[0, 4]), ("stores issued c1", pro[1, 4])]))
+    last = min(n_tiles, tiles) - 1
+    if last < 6:
+        return
+    lo, hi = 3, last - 1  # steady tiles
+    pub = {t: int(x[t % 2, t, 7]) for t in range(lo - 1, hi + 1)}
+    rows = []
+    for t in range(lo, hi + 1):
+        c = t % 2
+        e = [int(v) for v in x[c, t]]
+        o = [int(v) for v in x[1 - c, t]]
+        prod = int(x[2, t, 0])
+        rows.append(dict(
+            period=pub[t] - pub[t - 1],
+            tma=e[0] - prod,  # stage freed -> tile landed (seen by the scorer's wait)
+            wait_data=e[0] - pub[t - 1] if e[0] > pub[t - 1] else 0,
+            s_issue=e[1] - e[0], pv_issue=e[2] - e[1], s_wait=e[3] - e[2], softmax=e[4] - e[3], pv_wait=e[5] - e[4],
+            pfree=e[6] - e[5], publish=e[7] - e[6],
+            other_pv=o[5] - o[2], free_to_prod=prod - max(int(x[(t - 2) % 2, t - 1, 5]), int(x[(t - 1) % 2, t - 1, 5])),
+        ))
+    add(f"steady tiles {lo}..{hi}, median cycles:")
+    for k in rows[0]:
+        add(f"  {k:14s} {statistics.median(r[k] for r in rows):8.0f}")
+    if lo + 8 > last:
+        return
+    add("timeline of 4 steady tiles (cycles from P(t0-1) published; c = consumer, p = producer):")
+    t0s = lo + 4
+    base = pub[t0s - 1]
+    ev = []
+    for t in range(t0s, t0s + 4):
+        for c in (0, 1):
+            for k in range(8):
+                v = int(x[c, t, k])
+                if v:
+                    ev.append((v - base, f"c{c} t{t} {EVENTS[k]}"))
+        ev.append((int(x[2, t, 0]) - base, f"p  t{t} stage free, loads issued"))
+    for v, name in sorted(ev):
+        add(f"  {v:8d}  {name}")
+
+
+def main(out):
+    lines = [f"# Gluon MLA decode (S once) trace, {torch.cuda.get_device_name()}"]
+    _run(66, 128, 4096, 1, lines)
+    _run(132, 64, 4096, 1, lines)
+    _run(1, 128, 32768, 66, lines)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "trace_mla_decode.txt")
