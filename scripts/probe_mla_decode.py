@@ -53,7 +53,7 @@ def main(out):
     for b, h in [(132, 64), (66, 128)]:
         ql, qr = queries(b, h)
         for cache in ("hbm", "l2"):
-            for s_once in (True, False):
+            for s_once, pv_first in ((True, True), (True, False), (False, False)):
                 times = []
                 for n in lengths:
                     seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
@@ -67,34 +67,34 @@ def main(out):
 
                     def step():
                         return gluon_mla.mla_decode_gluon(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=1,
-                                                          s_once=s_once)[0]
+                                                          s_once=s_once, pv_first=pv_first)[0]
 
                     t = _bench_graph(step)
                     times.append(t * 1e6 if t else float("nan"))
                     torch.cuda.empty_cache()
                 a, slope = _fit([n / 64 for n in lengths], times)
                 tf = 2 * 64 * 64 * 1088 * (b * h // 64) / (slope * 1e-6) / 1e12
-                lines.append(f"| {b} | {h} | {cache} | {'S once' if s_once else 'scores twice'} | "
+                lines.append(f"| {b} | {h} | {cache} | {('S once, PV first' if pv_first else 'S once') if s_once else 'scores twice'} | "
                              + " | ".join(f"{t:.1f}" for t in times) + f" | {slope:.3f} | {a:.1f} | {tf:.0f} |")
                 print(lines[-1], flush=True)
 
     lines += ["", "## Batch 1, H 128, L 32768 (fixed length): split count", "",
-              "| num_splits | step us (graph) | TFLOP/s | decode kernel us | combine us |", "|---|---|---|---|---|"]
+              "| num_splits | PV first | step us (graph) | TFLOP/s | decode kernel us | combine us |", "|---|---|---|---|---|---|"]
     b, h, n = 1, 128, 32768
     ql, qr = queries(b, h)
     buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
     seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
     flops = 2.0 * h * n * 1088
-    for splits in (16, 32, 48, 63, 66, 96, 128):
+    for splits, pv_first in [(s_, False) for s_ in (32, 48, 66, 96)] + [(s_, True) for s_ in (32, 48, 66, 96)]:
         def step():
             return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, scale,
-                                              num_splits=splits)[0]
+                                              num_splits=splits, pv_first=pv_first)[0]
 
         t = _bench_graph(step)
         ks = _kernel_us(step)
         dec = sum(v for k, v in ks.items() if "mla_decode" in k)
         comb = sum(v for k, v in ks.items() if "combine" in k)
-        lines.append(f"| {splits} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | {dec:.1f} | {comb:.1f} |")
+        lines.append(f"| {splits} | {pv_first} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | {dec:.1f} | {comb:.1f} |")
         print(lines[-1], flush=True)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -22,7 +22,7 @@ EVENTS = ["tile landed", "S issued", "PV(t-1) issued", "S done", "softmax done",
           "P(t) published"]
 
 
-def _run(b, h, n, splits, out_lines):
+def _run(b, h, n, splits, out_lines, pv_first=False):
     import triton
 
     from mla_attn.ops.decode import gluon_mla
@@ -38,7 +38,7 @@ def _run(b, h, n, splits, out_lines):
 
     def call(trace=None):
         return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
-                                          num_splits=splits, trace=trace)[0]
+                                          num_splits=splits, trace=trace, pv_first=pv_first)[0]
 
     ref = call()
     for _ in range(3):
@@ -51,7 +51,8 @@ def _run(b, h, n, splits, out_lines):
     x = tr.cpu()
     n_tiles = -(-(-(-n // splits)) // 64)
     add = out_lines.append
-    add(f"\n## B {b}, H {h}, L {n}, splits {splits}: program (0, 0, 0), {n_tiles} tiles")
+    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, {'P V first' if pv_first else 'S first'}: program (0, 0, 0), "
+        f"{n_tiles} tiles")
     add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
     pro = x[3]
     t0 = int(pro[2, 0])
@@ -101,9 +102,9 @@ def _run(b, h, n, splits, out_lines):
 
 def main(out):
     lines = [f"# Gluon MLA decode (S once) trace, {torch.cuda.get_device_name()}"]
-    _run(66, 128, 4096, 1, lines)
-    _run(132, 64, 4096, 1, lines)
-    _run(1, 128, 32768, 66, lines)
+    for pv_first in (False, True):
+        _run(66, 128, 4096, 1, lines, pv_first)
+        _run(1, 128, 32768, 66, lines, pv_first)
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:

@@ -133,13 +133,15 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
-@pytest.mark.parametrize("s_once", [True, False], ids=["s_once", "scores_twice"])
+@pytest.mark.parametrize("s_once,pv_first", [(True, False), (True, True), (False, False)],
+                         ids=["s_once", "s_once_pv_first", "scores_twice"])
 @pytest.mark.parametrize("page,splits", [(None, 1), (64, 3), (128, None)], ids=lambda x: str(x))
-def test_gluon_mla_schedules(page, splits, s_once, monkeypatch):
-    """Both consumer schedules, each forced: scores once per tile (S_ONCE, the default) and scores
-    twice (the first version). The same oracle checks as through the op (lengths around the tiles, NaN
-    in unused slots, splits, paged)."""
+def test_gluon_mla_schedules(page, splits, s_once, pv_first, monkeypatch):
+    """The consumer schedules, each forced: scores once per tile (S_ONCE, the default), in either order
+    of the scorer's P V and S (PV_FIRST), and scores twice (the first version). The same oracle checks
+    as through the op (lengths around the tiles, NaN in unused slots, splits, paged)."""
     monkeypatch.setattr(gm, "S_ONCE", s_once)
+    monkeypatch.setattr(gm, "PV_FIRST", pv_first)
     calls = _spy(monkeypatch)
     lens = [0, 1, 63, 64, 65, 700, 1500, 129]
     ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=11)

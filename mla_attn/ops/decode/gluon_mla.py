@@ -86,6 +86,12 @@ _LOG2E = 1.4426950408889634
 # (188 / 282 / 294 / 331 TFLOP/s), against 52.9 / 134.4 / 241.1 / 898.7 for the two-score schedule
 # and 51.1 / 136.4 / 248.2 / 890.5 for the Triton kernel. MLA_ATTN_GLUON_MLA_S_ONCE=0 turns it off.
 S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
+# S once, with the scorer of tile t issuing P_{t-1} V_{t-1} before S_t (``PV_FIRST`` in _consumer_s1).
+# A clock64 trace of the S-first order on the H200 (scripts/trace_mla_decode.py) showed the tile loop
+# serialised: ptxas waits for S_t before the scorer's rescale of acc (C7517), so P_{t-1} V_{t-1}, the
+# release of tile t - 1's stage and the load of tile t + 1 into it all wait for S_t, and the next
+# scorer then waits ~2000 cycles for that load. MLA_ATTN_GLUON_MLA_PV_FIRST=1 turns it on.
+PV_FIRST = os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -325,7 +331,7 @@ if AVAILABLE:
     @gluon.jit
     def _consumer_s1(C: gl.constexpr, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready,
                      p_free, q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr,
-                     TR=None, tr_on=False, TRACE: gl.constexpr = False):
+                     TR=None, tr_on=False, TRACE: gl.constexpr = False, PV_FIRST: gl.constexpr = False):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -361,7 +367,40 @@ if AVAILABLE:
             # TRACE events of loop step t (scripts/trace_mla_decode.py): 0 tile t landed, 1 S_t issued,
             # 2 P_{t-1} V_{t-1} issued (P_{t-1} published), 3 S_t done, 4 softmax_t done, 5 P_{t-1} V_{t-1}
             # done, 6 the other consumer done with P_{t-1}, 7 P_t published.
-            if (t % 2 == C) & (t < n_tiles):
+            if PV_FIRST & (t % 2 == C) & (t < n_tiles):
+                # P_{t-1} V_{t-1} first, then S_t: tile t - 1's stage is released as soon as that P V is
+                # done (the load of tile t + 1 then runs under S_t and the softmax), and nothing is in
+                # flight when acc is rescaled (no injected warpgroup.wait).
+                st = t % STAGES
+                acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 2)
+                mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 0)
+                s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 1)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the older group: P_{t-1} V_{t-1}
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 5)
+                mbarrier.arrive(p_free, count=1)
+                mbarrier.arrive(empty.index(tp % STAGES), count=1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 3)
+                m_prev = m_smem.index(tp % 2).load(row_s)
+                l_prev = l_smem.index(tp % 2).load(row_s)
+                p, alpha, m_new, l_new = _softmax(s, m_prev, l_prev, t, n_tiles, length, o_n, qk_scale, dtype)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 4)
+                mbarrier.wait(p_free, tp & 1)  # both consumers are done with P_{t-1}
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 6)
+                _publish_s1(p, m_new, l_new, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+                if TRACE:
+                    _stamp(TR, tr_on, C, t, 7)
+            elif (t % 2 == C) & (t < n_tiles):
                 st = t % STAGES
                 mbarrier.wait(ready.index(st), (t // STAGES) & 1)
                 if TRACE:
@@ -420,20 +459,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
-                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr,
+                      PV_FIRST: gl.constexpr):
         _consumer_s1(0, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
-                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)
 
     @gluon.jit
     def _consumer1_s1(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar, O,
-                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
+                      LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, TR, tr_on, TRACE: gl.constexpr,
+                      PV_FIRST: gl.constexpr):
         _consumer_s1(1, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
-                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)
+                     O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)
 
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False):
+                       CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
+                       PV_FIRST: gl.constexpr = False):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -463,9 +505,9 @@ if AVAILABLE:
         tr_on = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
         gl.warp_specialize([
             (_consumer0_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)),
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
             (_consumer1_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE)),
+                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
             (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
                          c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -531,7 +573,8 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
-                     checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None):
+                     checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
+                     pv_first: bool | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
@@ -581,6 +624,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
+        **({"PV_FIRST": PV_FIRST if pv_first is None else pv_first} if kernel is _mla_decode_s1 else {}),
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
