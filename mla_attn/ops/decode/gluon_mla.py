@@ -90,8 +90,11 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 # A clock64 trace of the S-first order on the H200 (scripts/trace_mla_decode.py) showed the tile loop
 # serialised: ptxas waits for S_t before the scorer's rescale of acc (C7517), so P_{t-1} V_{t-1}, the
 # release of tile t - 1's stage and the load of tile t + 1 into it all wait for S_t, and the next
-# scorer then waits ~2000 cycles for that load. MLA_ATTN_GLUON_MLA_PV_FIRST=1 turns it on.
-PV_FIRST = os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "0") == "1"
+# scorer then waits ~2000 cycles for that load. P V first (4a813d2, scripts/probe_mla_decode.py, one
+# program per SM): 2.56 against 3.01 us per 64-key tile at H = 128 (460 against 390 TFLOP/s per tile),
+# 3.17 against 3.51 at H = 64; B = 1, L = 32768, 66 splits: 44.1 against 47.5 us a step. On by
+# default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off.
+PV_FIRST = os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1") != "0"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
