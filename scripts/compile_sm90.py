@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
-    ap.add_argument("--pv-first", action="store_true", help="gluon_mla --s-once: P V of tile t-1 before S of tile t")
+    ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
     ap.add_argument("--trace", action="store_true", help="gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")

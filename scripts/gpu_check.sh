@@ -82,6 +82,9 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
     step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
     if [ "$mla_ok" = 1 ]; then
       step "bench gluon MLA decode kernel, both schedules" "$(lim 120)" $PY scripts/bench_decode.py --gluon-mla "$out/bench_gluon_mla.md"
+      # diagnostics of its tile loop: per-tile time of each schedule order, and one program's clock64 timeline
+      step "probe gluon MLA decode tile rate" "$(lim 150)" $PY scripts/probe_mla_decode.py "$out/probe_mla_decode.md"
+      step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
     fi
   fi
 fi

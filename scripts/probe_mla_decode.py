@@ -53,7 +53,7 @@ def main(out):
     for b, h in [(132, 64), (66, 128)]:
         ql, qr = queries(b, h)
         for cache in ("hbm", "l2"):
-            for s_once, pv_first in ((True, True), (True, False), (False, False)):
+            for s_once, pv_first in ((True, 2), (True, 1), (True, 0), (False, 0)):
                 times = []
                 for n in lengths:
                     seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
@@ -74,7 +74,7 @@ def main(out):
                     torch.cuda.empty_cache()
                 a, slope = _fit([n / 64 for n in lengths], times)
                 tf = 2 * 64 * 64 * 1088 * (b * h // 64) / (slope * 1e-6) / 1e12
-                lines.append(f"| {b} | {h} | {cache} | {('S once, PV first' if pv_first else 'S once') if s_once else 'scores twice'} | "
+                lines.append(f"| {b} | {h} | {cache} | {('S once, PV first' + (', waited' if pv_first == 2 else '') if pv_first else 'S once') if s_once else 'scores twice'} | "
                              + " | ".join(f"{t:.1f}" for t in times) + f" | {slope:.3f} | {a:.1f} | {tf:.0f} |")
                 print(lines[-1], flush=True)
 
@@ -85,7 +85,7 @@ def main(out):
     buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
     seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
     flops = 2.0 * h * n * 1088
-    for splits, pv_first in [(s_, False) for s_ in (32, 48, 66, 96)] + [(s_, True) for s_ in (32, 48, 66, 96)]:
+    for splits, pv_first in [(s_, p_) for p_ in (0, 1, 2) for s_ in (48, 66)]:
         def step():
             return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, scale,
                                               num_splits=splits, pv_first=pv_first)[0]

@@ -22,7 +22,7 @@ EVENTS = ["tile landed", "S issued", "PV(t-1) issued", "S done", "softmax done",
           "P(t) published"]
 
 
-def _run(b, h, n, splits, out_lines, pv_first=False):
+def _run(b, h, n, splits, out_lines, pv_first=0):
     import triton
 
     from mla_attn.ops.decode import gluon_mla
@@ -51,7 +51,7 @@ def _run(b, h, n, splits, out_lines, pv_first=False):
     x = tr.cpu()
     n_tiles = -(-(-(-n // splits)) // 64)
     add = out_lines.append
-    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, {'P V first' if pv_first else 'S first'}: program (0, 0, 0), "
+    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, {['S first', 'P V first', 'P V first, waited'][int(pv_first)]}: program (0, 0, 0), "
         f"{n_tiles} tiles")
     add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
     pro = x[3]
@@ -102,7 +102,7 @@ def _run(b, h, n, splits, out_lines, pv_first=False):
 
 def main(out):
     lines = [f"# Gluon MLA decode (S once) trace, {torch.cuda.get_device_name()}"]
-    for pv_first in (False, True):
+    for pv_first in (0, 1, 2):
         _run(66, 128, 4096, 1, lines, pv_first)
         _run(1, 128, 32768, 66, lines, pv_first)
     text = "\n".join(lines) + "\n"

@@ -133,12 +133,13 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
-@pytest.mark.parametrize("s_once,pv_first", [(True, False), (True, True), (False, False)],
-                         ids=["s_once", "s_once_pv_first", "scores_twice"])
+@pytest.mark.parametrize("s_once,pv_first", [(True, 0), (True, 1), (True, 2), (False, 0)],
+                         ids=["s_once", "s_once_pv_first", "s_once_pv_first_waited", "scores_twice"])
 @pytest.mark.parametrize("page,splits", [(None, 1), (64, 3), (128, None)], ids=lambda x: str(x))
 def test_gluon_mla_schedules(page, splits, s_once, pv_first, monkeypatch):
-    """The consumer schedules, each forced: scores once per tile (S_ONCE, the default), in either order
-    of the scorer's P V and S (PV_FIRST), and scores twice (the first version). The same oracle checks
+    """The consumer schedules, each forced: scores once per tile (S_ONCE, the default), with the scorer's
+    P V after S, before S (PV_FIRST 1, the default) or before S and waited for (2), and scores twice
+    (the first version). The same oracle checks
     as through the op (lengths around the tiles, NaN in unused slots, splits, paged)."""
     monkeypatch.setattr(gm, "S_ONCE", s_once)
     monkeypatch.setattr(gm, "PV_FIRST", pv_first)

@@ -94,7 +94,7 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 # program per SM): 2.56 against 3.01 us per 64-key tile at H = 128 (460 against 390 TFLOP/s per tile),
 # 3.17 against 3.51 at H = 64; B = 1, L = 32768, 66 splits: 44.1 against 47.5 us a step. On by
 # default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off.
-PV_FIRST = os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1") != "0"
+PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 (experimental) P V first and waited for before S
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -334,7 +334,7 @@ if AVAILABLE:
     @gluon.jit
     def _consumer_s1(C: gl.constexpr, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready,
                      p_free, q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr,
-                     TR=None, tr_on=False, TRACE: gl.constexpr = False, PV_FIRST: gl.constexpr = False):
+                     TR=None, tr_on=False, TRACE: gl.constexpr = False, PV_FIRST: gl.constexpr = 0):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -370,7 +370,7 @@ if AVAILABLE:
             # TRACE events of loop step t (scripts/trace_mla_decode.py): 0 tile t landed, 1 S_t issued,
             # 2 P_{t-1} V_{t-1} issued (P_{t-1} published), 3 S_t done, 4 softmax_t done, 5 P_{t-1} V_{t-1}
             # done, 6 the other consumer done with P_{t-1}, 7 P_t published.
-            if PV_FIRST & (t % 2 == C) & (t < n_tiles):
+            if (PV_FIRST > 0) & (t % 2 == C) & (t < n_tiles):
                 # P_{t-1} V_{t-1} first, then S_t: tile t - 1's stage is released as soon as that P V is
                 # done (the load of tile t + 1 then runs under S_t and the softmax), and nothing is in
                 # flight when acc is rescaled (no injected warpgroup.wait).
@@ -378,17 +378,26 @@ if AVAILABLE:
                 acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES, o_layout)
                 if TRACE:
                     _stamp(TR, tr_on, C, t, 2)
+                if PV_FIRST == 2:
+                    # Wait for that P V before issuing S_t: issuing 36 wgmmas blocks the warps until
+                    # most of them ran, so a wait placed after S_t would hold the stage until S_t ends.
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    if TRACE:
+                        _stamp(TR, tr_on, C, t, 5)
+                    mbarrier.arrive(p_free, count=1)
+                    mbarrier.arrive(empty.index(tp % STAGES), count=1)
                 mbarrier.wait(ready.index(st), (t // STAGES) & 1)
                 if TRACE:
                     _stamp(TR, tr_on, C, t, 0)
                 s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
                 if TRACE:
                     _stamp(TR, tr_on, C, t, 1)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the older group: P_{t-1} V_{t-1}
-                if TRACE:
-                    _stamp(TR, tr_on, C, t, 5)
-                mbarrier.arrive(p_free, count=1)
-                mbarrier.arrive(empty.index(tp % STAGES), count=1)
+                if PV_FIRST != 2:  # (this branch is compiled, dead, at PV_FIRST = 0 too)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the older group: P_{t-1} V_{t-1}
+                    if TRACE:
+                        _stamp(TR, tr_on, C, t, 5)
+                    mbarrier.arrive(p_free, count=1)
+                    mbarrier.arrive(empty.index(tp % STAGES), count=1)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
                 if TRACE:
                     _stamp(TR, tr_on, C, t, 3)
@@ -478,7 +487,7 @@ if AVAILABLE:
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                       PV_FIRST: gl.constexpr = False):
+                       PV_FIRST: gl.constexpr = 0):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -577,7 +586,7 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
                      checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
-                     pv_first: bool | None = None):
+                     pv_first: int | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
@@ -627,7 +636,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
-        **({"PV_FIRST": PV_FIRST if pv_first is None else pv_first} if kernel is _mla_decode_s1 else {}),
+        **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first)} if kernel is _mla_decode_s1 else {}),
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
