@@ -28,13 +28,15 @@ Two schedules for the consumers:
   max and sum that the scorer of t - 1 left in shared memory. The scorer publishes P_t (bf16, one
   [64, 64] buffer) and (m_t, l_t, alpha_t) (two slots), then arrives on ``p_ready``. Both consumers
   rescale their acc by alpha_t and issue acc += P_t V_t from shared memory. ``p_free`` (count 2)
-  says both are done with P_t, so the next scorer may overwrite it. The scorer of t issues S_t
-  first, then its P_{t-1} V_{t-1}, and runs softmax_t under that wgmma. The softmax chain is serial
+  says both are done with P_t, so the next scorer may overwrite it. The softmax chain is serial
   across tiles (m_t needs m_{t-1}); the tensor work per tile is the minimum, S once plus P V once.
-  - ptxas reports one injected ``warpgroup.wait`` (C7517): the rescale of acc waits for S_t. It is
-    harmless (P V is issued right after, under the softmax).
+  - The scorer's order (``PV_FIRST``, default 1): it issues its P_{t-1} V_{t-1} first, then S_t, and
+    releases tile t - 1's stage when that P V is done, so the load of tile t + 1 runs under S_t.
+    With S_t first (0, the first version) ptxas waited for S_t before the rescale of acc (C7517),
+    and the whole tile loop ran as one serial chain (a clock64 trace, ``scripts/trace_mla_decode.py``).
+    2 (experimental) also waits for that P V before issuing S_t.
   - sm_90a: 231 KB of shared memory, 168 registers, 360 bytes spilled, outside the tile loop's hot
-    path as far as the SASS shows.
+    path as far as the SASS shows; no C75xx with ``PV_FIRST`` 1.
 - **Each score tile twice** (``_mla_decode_ws``, the first version; ``s_once=False``). Each consumer
   computes the whole score tile and runs the whole softmax itself, so the consumers share no data,
   only the turn to issue (two ``turn`` mbarriers). That is a third more tensor work. It was 3-7% faster
@@ -44,22 +46,23 @@ Two schedules for the consumers:
 0 x NaN is NaN inside a wgmma, so each consumer zeroes those rows of its value half in shared memory
 before the last P V.
 
-Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [--s-once]``. GPU tests:
+Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [--s-once [--pv-first N] [--trace]]``. GPU tests:
 ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a hang-guarded step.
 Timing: ``scripts/bench_decode.py --gluon-mla`` (direct calls; both schedules and the Triton kernel)
 and ``--graph`` (through the op: its ``[gluon]`` rows, with the Triton kernel beside them).
 
-H200, graph replays, H = 128, contiguous cache (62a93a0, ``--gluon-mla``):
+H200, graph replays through the op, H = 128, contiguous cache, varlen lengths (4d62e24,
+``bench_decode.py --graph``; the S-first order's at d3655cf beside them):
 
-| B | L | Triton kernel | scores twice | scores once |
+| B | L | Triton kernel | S once, S first | S once, P V first |
 |---|---|---|---|---|
-| 1 | 32768 | 51.1 us, 179 TFLOP/s | 52.9 us, 173 | 48.7 us, 188 |
-| 16 | 8192 | 136.4 us, 246 | 134.4 us, 249 | 118.8 us, 282 |
-| 64 | 4096 | 248.2 us, 249 | 241.1 us, 257 | 210.1 us, 294 |
-| 128 | 8192 | 890.5 us, 289 | 898.7 us, 286 | 776.3 us, 331 |
+| 1 | 32768 | 50.9 us | 47.8 us | 43.8 us (208 TFLOP/s) |
+| 16 | 8192 | 135.2 us | 118.5 us | 103.3 us (324) |
+| 64 | 4096 | 257.2 us | 211.5 us | 182.2 us (354) |
+| 128 | 8192 | 884.5 us | 770.1 us | 659.3 us (391) |
 
 Still open: the eager host path costs more than the Triton kernel's. bench_decode's eager column
-reads 321 against 226 us at B = 16; CUDA graphs hide it.
+reads 284 against 150 us at B = 1; CUDA graphs hide it.
 """
 
 from __future__ import annotations
