@@ -37,6 +37,10 @@ Two schedules for the consumers:
     2 (experimental) also waits for that P V before issuing S_t.
   - sm_90a: 231 KB of shared memory, 168 registers, 360 bytes spilled, outside the tile loop's hot
     path as far as the SASS shows; no C75xx with ``PV_FIRST`` 1.
+  - EXPERIMENTAL, not yet run on a GPU (``DEDICATED``): the same hand-over with fixed roles. A scorer
+    warpgroup computes every S and softmax (its waits are for S alone), two P V warpgroups own 256
+    columns each, and the first of them also issues the loads (12 warps; sm_90a: 168 registers, no
+    spills).
 - **Each score tile twice** (``_mla_decode_ws``, the first version; ``s_once=False``). Each consumer
   computes the whole score tile and runs the whole softmax itself, so the consumers share no data,
   only the turn to issue (two ``turn`` mbarriers). That is a third more tensor work. It was 3-7% faster
@@ -46,7 +50,8 @@ Two schedules for the consumers:
 0 x NaN is NaN inside a wgmma, so each consumer zeroes those rows of its value half in shared memory
 before the last P V.
 
-Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [--s-once [--pv-first N] [--trace]]``. GPU tests:
+Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [--s-once [--pv-first N]
+[--trace] [--dedicated --consumer-regs 168]]``. GPU tests:
 ``tests/ops/test_decode_gluon_mla.py``, run by ``scripts/gpu_check.sh`` in a hang-guarded step.
 Timing: ``scripts/bench_decode.py --gluon-mla`` (direct calls; both schedules and the Triton kernel)
 and ``--graph`` (through the op: its ``[gluon]`` rows, with the Triton kernel beside them).
@@ -96,8 +101,13 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 # scorer then waits ~2000 cycles for that load. P V first (4a813d2, scripts/probe_mla_decode.py, one
 # program per SM): 2.56 against 3.01 us per 64-key tile at H = 128 (460 against 390 TFLOP/s per tile),
 # 3.17 against 3.51 at H = 64; B = 1, L = 32768, 66 splits: 44.1 against 47.5 us a step. On by
-# default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off.
-PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 (experimental) P V first and waited for before S
+# default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off. 2 (EXPERIMENTAL, not yet run on a GPU) also waits
+# for that P V before issuing S_t: the trace showed S_t's issue blocking until most of it has run.
+PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 P V first, waited
+# EXPERIMENTAL, not yet run on a GPU: S once with a dedicated scorer warpgroup and two P V warpgroups, the
+# first of which also issues the loads (``_scorer_sd`` / ``_pv_sd``). sm_90a: 168 registers, no spills,
+# no C75xx. MLA_ATTN_GLUON_MLA_DEDICATED=1 turns it on.
+DEDICATED = os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -118,31 +128,42 @@ if AVAILABLE:
             gl.store(TR + slot, clk)
 
     @gluon.jit
+    def _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0):
+        """Q's three column blocks (latent 0-255, 256-511, rope) into shared memory, on q_bar."""
+        mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(ql_desc, [q_row0, 0], q_bar, qa)
+        tma.async_copy_global_to_shared(ql_desc, [q_row0, 256], q_bar, qb)
+        tma.async_copy_global_to_shared(qr_desc, [q_row0, 0], q_bar, qr)
+
+    @gluon.jit
+    def _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t, lo, c_row0, bt_row, stride_btp, PAGED: gl.constexpr,
+                   PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        """Key tile t of this program's interval into ring stage t % STAGES, on ready[stage]."""
+        s = t % STAGES
+        pos = lo + t * 64
+        if PAGED:  # a 64-key tile never leaves its page (PAGE_SIZE % 64 == 0): one lookup per tile
+            page = gl.load(bt_row + (pos // PAGE_SIZE) * stride_btp)
+            row = page * PAGE_SIZE + pos % PAGE_SIZE
+        else:
+            row = c_row0 + pos
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + cr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(c_desc, [row, 0], bar, ka.index(s))
+        tma.async_copy_global_to_shared(c_desc, [row, 256], bar, kb.index(s))
+        tma.async_copy_global_to_shared(cr_desc, [row, 0], bar, kr.index(s))
+
+    @gluon.jit
     def _producer(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0, lo,
                   bt_row, stride_btp, n_tiles, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                   TR=None, tr_on=False, TRACE: gl.constexpr = False):
         if TRACE:
             _stamp(TR, tr_on, 3, 2, 0)  # the producer starts
-        mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(ql_desc, [q_row0, 0], q_bar, qa)
-        tma.async_copy_global_to_shared(ql_desc, [q_row0, 256], q_bar, qb)
-        tma.async_copy_global_to_shared(qr_desc, [q_row0, 0], q_bar, qr)
+        _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0)
         for t in range(n_tiles):
-            s = t % STAGES
-            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
             if TRACE:
                 _stamp(TR, tr_on, 2, t, 0)  # stage free: tile t's loads issue now
-            pos = lo + t * 64
-            if PAGED:  # a 64-key tile never leaves its page (PAGE_SIZE % 64 == 0): one lookup per tile
-                page = gl.load(bt_row + (pos // PAGE_SIZE) * stride_btp)
-                row = page * PAGE_SIZE + pos % PAGE_SIZE
-            else:
-                row = c_row0 + pos
-            bar = ready.index(s)
-            mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + cr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(c_desc, [row, 0], bar, ka.index(s))
-            tma.async_copy_global_to_shared(c_desc, [row, 256], bar, kb.index(s))
-            tma.async_copy_global_to_shared(cr_desc, [row, 0], bar, kr.index(s))
+            _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t, lo, c_row0, bt_row, stride_btp, PAGED, PAGE_SIZE, STAGES)
 
     @gluon.jit
     def _scores(qa, qb, qr, ka, kb, kr, st, s_zero):
@@ -486,11 +507,96 @@ if AVAILABLE:
         _consumer_s1(1, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
                      O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)
 
+    # ---- EXPERIMENTAL (DEDICATED, not yet run on a GPU): a scorer warpgroup and two P V warpgroups ----
+    # The scorer (the default partition) computes every score tile, keeps (m, l) in registers and
+    # publishes P_t and alpha_t as above. It never issues a P V, so its wgmma waits are for S alone,
+    # and it starts S_{t+1} as soon as P_t is out. Each P V warpgroup owns 256 output columns: it
+    # rescales, issues P_t V_t, waits and releases, so tile t's stage frees as soon as both P_t V_t are
+    # done. The first P V warpgroup also issues the TMA loads (Q, then tile t + STAGES once both are done
+    # with tile t): a separate producer warp would make 13 warps, whose 65536 / 416 registers a thread
+    # are too few for the m64n256 wgmma (ptxas C7602 at 152). 12 warps at 168 registers each fit.
+
+    @gluon.jit
+    def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
+                   qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = ka.dtype
+        o_n = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([64], gl.float32, layout=row_s)
+        mbarrier.wait(q_bar, 0)
+        for t in range(n_tiles):
+            st = t % STAGES
+            mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+            s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype)
+            if t > 0:
+                mbarrier.wait(p_free, (t - 1) & 1)  # both P V warpgroups are done with P_{t-1}
+            _publish_s1(p, m_i, l_i, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+        dead = l_i == 0.0
+        lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + o_row0 + gl.arange(0, 64, layout=row_s), lse)
+
+    @gluon.jit
+    def _pv_sd(C: gl.constexpr, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem,
+               q_bar, ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
+               PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 256, 16])
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if C == 0:
+            kv = ka
+            _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0)
+            for i in gl.static_range(STAGES):
+                if i < n_tiles:
+                    _load_tile(c_desc, cr_desc, ka, kb, kr, ready, i, lo, c_row0, bt_row, stride_btp, PAGED,
+                               PAGE_SIZE, STAGES)
+        else:
+            kv = kb
+        acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
+        for t in range(n_tiles):
+            acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, t, n_tiles, length, STAGES, o_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            if C == 0:
+                if t + STAGES < n_tiles:  # refill tile t's stage once both P V warpgroups are done with it
+                    mbarrier.wait(empty.index(t % STAGES), (t // STAGES) & 1)
+                    _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t + STAGES, lo, c_row0, bt_row, stride_btp, PAGED,
+                               PAGE_SIZE, STAGES)
+        l_fin = gl.zeros([64], gl.float32, layout=row_o)
+        if n_tiles > 0:  # published with the last P, which this warpgroup has waited for
+            l_fin = l_smem.index((n_tiles - 1) % 2).load(row_o)
+        o = acc * (1.0 / gl.where(l_fin == 0.0, 1.0, l_fin))[:, None]
+        o_r = gl.arange(0, 64, layout=row_o)
+        o_d = C * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :], o.to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _pv_sd0(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
+                p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
+                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        _pv_sd(0, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
+               empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
+               PAGE_SIZE, STAGES)
+
+    @gluon.jit
+    def _pv_sd1(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
+                p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
+                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        _pv_sd(1, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
+               empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
+               PAGE_SIZE, STAGES)
+
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                       PV_FIRST: gl.constexpr = 0):
+                       PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = False):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -518,14 +624,27 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=2)
         # TRACE: program (0, 0, 0) stamps its tile loop (scripts/trace_mla_decode.py)
         tr_on = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
-        gl.warp_specialize([
-            (_consumer0_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
-            (_consumer1_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
-                             q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
-            (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
-                         c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        if DEDICATED:
+            # (the partitions' arguments are written out: a tuple variable would turn the constexprs into ints)
+            gl.warp_specialize([
+                (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
+                              LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+                (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
+                           ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
+                           o_row0, PAGED, PAGE_SIZE, STAGES)),
+                (_pv_sd1, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
+                           ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
+                           o_row0, PAGED, PAGE_SIZE, STAGES)),
+            ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer0_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
+                                 q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
+                (_consumer1_s1, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free,
+                                 q_bar, O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)),
+                (_producer, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0,
+                             c_row0, lo, bt_row, stride_btp, n_tiles, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
+            ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def _rows(t: torch.Tensor):
@@ -589,7 +708,7 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
                      checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
-                     pv_first: int | None = None):
+                     pv_first: int | None = None, dedicated: bool | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
@@ -633,13 +752,17 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
     bt_strides = bt.stride() if paged else (0, 0)
     kernel = _mla_decode_s1 if (S_ONCE if s_once is None else s_once) else _mla_decode_ws
+    dedicated = bool(DEDICATED if dedicated is None else dedicated) and kernel is _mla_decode_s1
+    if dedicated:  # 12 warps: 168 registers each is what the register file holds
+        consumer_regs = maxnreg = 168
     kernel[(h // BLOCK_H, b, num_splits)](
         desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
-        **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first)} if kernel is _mla_decode_s1 else {}),
+        **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
+           if kernel is _mla_decode_s1 else {}),
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
