@@ -80,8 +80,9 @@ def main():
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
-    ap.add_argument("--dedicated", action="store_true",
-                    help="gluon_mla --s-once: a scorer warpgroup and two P V warpgroups (use --maxnreg 152 --consumer-regs 176)")
+    ap.add_argument("--dedicated", type=int, default=0,
+                    help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
+                         "the scorer's registers (use --consumer-regs 168)")
     ap.add_argument("--trace", action="store_true", help="gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")

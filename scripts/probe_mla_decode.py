@@ -45,9 +45,9 @@ def _schedules():
     """(s_once, pv_first, dedicated) of the schedules to time; the experimental ones (not yet run on a GPU
     when written) last, and left out when MLA_ATTN_PROBE_EXPERIMENTAL=0 (gpu_check.sh sets it when their
     tests failed)."""
-    out = [(True, 1, False), (True, 0, False), (False, 0, False)]
+    out = [(True, 1, 0), (True, 0, 0), (False, 0, 0)]
     if os.environ.get("MLA_ATTN_PROBE_EXPERIMENTAL", "1") != "0":
-        out[2:2] = [(True, 2, False), (True, 1, True)]
+        out[2:2] = [(True, 2, 0), (True, 1, 1), (True, 1, 2)]
     return out
 
 
@@ -55,7 +55,7 @@ def _schedule_name(s_once, pv_first, dedicated):
     if not s_once:
         return "scores twice"
     if dedicated:
-        return "S once, dedicated scorer"
+        return "S once, dedicated scorer" + (", Q half in registers" if dedicated == 2 else "")
     return ["S once, S first", "S once, PV first", "S once, PV first, waited"][pv_first]
 
 

@@ -40,7 +40,8 @@ Two schedules for the consumers:
   - EXPERIMENTAL, not yet run on a GPU (``DEDICATED``): the same hand-over with fixed roles. A scorer
     warpgroup computes every S and softmax (its waits are for S alone), two P V warpgroups own 256
     columns each, and the first of them also issues the loads (12 warps; sm_90a: 168 registers, no
-    spills).
+    spills). ``DEDICATED = 2`` also holds Q's latent columns 0-255 in the scorer's registers, so 16 of
+    S's 36 wgmmas read only K from shared memory.
 - **Each score tile twice** (``_mla_decode_ws``, the first version; ``s_once=False``). Each consumer
   computes the whole score tile and runs the whole softmax itself, so the consumers share no data,
   only the turn to issue (two ``turn`` mbarriers). That is a third more tensor work. It was 3-7% faster
@@ -106,8 +107,10 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 P V first, waited
 # EXPERIMENTAL, not yet run on a GPU: S once with a dedicated scorer warpgroup and two P V warpgroups, the
 # first of which also issues the loads (``_scorer_sd`` / ``_pv_sd``). sm_90a: 168 registers, no spills,
-# no C75xx. MLA_ATTN_GLUON_MLA_DEDICATED=1 turns it on.
-DEDICATED = os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "0") == "1"
+# no C75xx. MLA_ATTN_GLUON_MLA_DEDICATED=1 turns it on; 2 also holds Q's latent columns 0-255 in the scorer's
+# registers (64 a thread) as the A operand of that part of S, so S reads 40 KB of Q from shared memory a
+# tile instead of 72.
+DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "0"))
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -518,7 +521,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
-                   qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr):
+                   qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -528,10 +531,14 @@ if AVAILABLE:
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
         mbarrier.wait(q_bar, 0)
+        if QA_REGS:  # Q's latent columns 0-255 as a register A operand (64 registers a thread)
+            q_a = qa.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        else:
+            q_a = qa
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-            s = _scores(qa, qb, qr, ka, kb, kr, st, s_zero)
+            s = _scores(q_a, qb, qr, ka, kb, kr, st, s_zero)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype)
             if t > 0:
@@ -596,7 +603,7 @@ if AVAILABLE:
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                       PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = False):
+                       PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = 0):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -624,11 +631,11 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=2)
         # TRACE: program (0, 0, 0) stamps its tile loop (scripts/trace_mla_decode.py)
         tr_on = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
-        if DEDICATED:
+        if DEDICATED > 0:
             # (the partitions' arguments are written out: a tuple variable would turn the constexprs into ints)
             gl.warp_specialize([
                 (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
-                              LSE, qk_scale, length, n_tiles, o_row0, STAGES)),
+                              LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2)),
                 (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
                            o_row0, PAGED, PAGE_SIZE, STAGES)),
@@ -708,7 +715,7 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
                      checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
-                     pv_first: int | None = None, dedicated: bool | None = None):
+                     pv_first: int | None = None, dedicated: int | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
@@ -752,7 +759,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
     bt_strides = bt.stride() if paged else (0, 0)
     kernel = _mla_decode_s1 if (S_ONCE if s_once is None else s_once) else _mla_decode_ws
-    dedicated = bool(DEDICATED if dedicated is None else dedicated) and kernel is _mla_decode_s1
+    dedicated = int(DEDICATED if dedicated is None else dedicated) if kernel is _mla_decode_s1 else 0
     if dedicated:  # 12 warps: 168 registers each is what the register file holds
         consumer_regs = maxnreg = 168
     kernel[(h // BLOCK_H, b, num_splits)](
