@@ -11,6 +11,10 @@ Three probes, each timed as CUDA-graph replays (triton.testing.do_bench median):
 3. **Batch 1 split sweep.** B = 1, H = 128, L = 32768: the step's time against num_splits, with the
    decode kernel's and the combine's own GPU durations (torch.profiler).
 
+Each line is one consumer schedule of ``gluon_mla`` (``_schedules``: the default first, the experimental
+ones last, and only when MLA_ATTN_PROBE_EXPERIMENTAL is not 0). The table is rewritten after every line,
+so a hang or a time limit keeps what was measured.
+
     PYTHONPATH=. python3 scripts/probe_mla_decode.py [OUT.md]
 """
 
@@ -47,7 +51,7 @@ def _schedules():
     tests failed)."""
     out = [(True, 1, 0), (True, 0, 0), (False, 0, 0)]
     if os.environ.get("MLA_ATTN_PROBE_EXPERIMENTAL", "1") != "0":
-        out[2:2] = [(True, 2, 0), (True, 1, 1), (True, 1, 2)]
+        out += [(True, 2, 0), (True, 1, 1), (True, 1, 2)]
     return out
 
 
@@ -74,34 +78,35 @@ def main(out):
     lines += ["## Tile rate (unsplit, one program per SM, graph replay us)", "",
               "| B | H | cache | schedule | " + " | ".join(f"L {n}" for n in lengths) + " | us per 64-key tile | fixed us |"
               " TFLOP/s per tile |", "|---|---|---|---|" + "---|" * len(lengths) + "---|---|---|"]
-    for b, h in [(132, 64), (66, 128)]:
+    # every schedule at H = 128 from HBM; the default and the S-first order on the other two
+    for b, h, cache, scheds in [(66, 128, "hbm", _schedules()), (66, 128, "l2", _schedules()[:2]),
+                                (132, 64, "hbm", _schedules()[:2])]:
         ql, qr = queries(b, h)
-        for cache in ("hbm", "l2"):
-            for s_once, pv_first, ded in _schedules():
-                times = []
-                for n in lengths:
-                    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-                    if cache == "hbm":
-                        buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
-                        kv, kr, bt = buf[..., :512], buf[..., 512:], None
-                    else:  # every sequence's pages are the same n / 64 pages: the whole cache stays in L2
-                        pages = torch.randn(n // 64, 64, 576, generator=gen).to(dev, dt)
-                        kv, kr = pages[..., :512], pages[..., 512:]
-                        bt = torch.arange(n // 64, dtype=torch.int32, device=dev).expand(b, -1).contiguous()
+        times = {sc: [] for sc in scheds}
+        for n in lengths:
+            seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+            if cache == "hbm":
+                buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+                kv, kr, bt = buf[..., :512], buf[..., 512:], None
+            else:  # every sequence's pages are the same n / 64 pages: the whole cache stays in L2
+                pages = torch.randn(n // 64, 64, 576, generator=gen).to(dev, dt)
+                kv, kr = pages[..., :512], pages[..., 512:]
+                bt = torch.arange(n // 64, dtype=torch.int32, device=dev).expand(b, -1).contiguous()
+            for sc in scheds:
+                def step(sc=sc):
+                    return gluon_mla.mla_decode_gluon(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=1,
+                                                      s_once=sc[0], pv_first=sc[1], dedicated=sc[2])[0]
 
-                    def step():
-                        return gluon_mla.mla_decode_gluon(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=1,
-                                                          s_once=s_once, pv_first=pv_first, dedicated=ded)[0]
-
-                    t = _bench_graph(step)
-                    times.append(t * 1e6 if t else float("nan"))
-                    torch.cuda.empty_cache()
-                a, slope = _fit([n / 64 for n in lengths], times)
-                tf = 2 * 64 * 64 * 1088 * (b * h // 64) / (slope * 1e-6) / 1e12
-                lines.append(f"| {b} | {h} | {cache} | {_schedule_name(s_once, pv_first, ded)} | "
-                             + " | ".join(f"{t:.1f}" for t in times) + f" | {slope:.3f} | {a:.1f} | {tf:.0f} |")
-                print(lines[-1], flush=True)
-                _write(out, lines)
+                t = _bench_graph(step)
+                times[sc].append(t * 1e6 if t else float("nan"))
+            torch.cuda.empty_cache()
+        for sc in scheds:
+            a, slope = _fit([n / 64 for n in lengths], times[sc])
+            tf = 2 * 64 * 64 * 1088 * (b * h // 64) / (slope * 1e-6) / 1e12
+            lines.append(f"| {b} | {h} | {cache} | {_schedule_name(*sc)} | "
+                         + " | ".join(f"{t:.1f}" for t in times[sc]) + f" | {slope:.3f} | {a:.1f} | {tf:.0f} |")
+            print(lines[-1], flush=True)
+            _write(out, lines)
 
     lines += ["", "## Batch 1, H 128, L 32768 (fixed length): split count", "",
               "| num_splits | schedule | step us (graph) | TFLOP/s | decode kernel us | combine us |", "|---|---|---|---|---|---|"]
@@ -110,7 +115,7 @@ def main(out):
     buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
     seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
     flops = 2.0 * h * n * 1088
-    for splits, pv_first, ded in [(s_, p_, d_) for _, p_, d_ in _schedules()[:-1] for s_ in (48, 66)]:
+    for splits, pv_first, ded in [(s_, p_, d_) for once, p_, d_ in _schedules() if once for s_ in (48, 66)]:
         def step():
             return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, scale,
                                               num_splits=splits, pv_first=pv_first, dedicated=ded)[0]
