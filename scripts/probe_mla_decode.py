@@ -63,11 +63,11 @@ def _schedule_name(s_once, pv_first, dedicated):
     return ["S once, S first", "S once, PV first", "S once, PV first, waited"][pv_first]
 
 
-def main(out):
+def main(out, dev="cuda"):
     from mla_attn.ops.decode import gluon_mla
 
     gen = torch.Generator().manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
+    dt = torch.bfloat16
     scale = 192 ** -0.5
     lines = [f"# Gluon MLA decode probe ({torch.cuda.get_device_name()})", ""]
 
