@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--dedicated", type=int, default=0,
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
                          "the scorer's registers (use --consumer-regs 168)")
-    ap.add_argument("--trace", action="store_true", help="gluon_mla --s-once: the TRACE build (clock64 stamps)")
+    ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -121,6 +121,11 @@ def main():
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
                      num_warps=warps)
+        if args.trace:  # the clock64 stamps (scripts/trace_flash_fwd.py)
+            ptrs["TR"] = "*i64"
+            const["TRACE"] = True
+        else:
+            const.update(TR=None, TRACE=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
         from triton.experimental.gluon import language as gl

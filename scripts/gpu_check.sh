@@ -78,6 +78,7 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
     step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
     step "bench gluon variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
+    step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
     if [ "$ws_ok" = 1 ]; then
       step "bench warp-specialised forward (experimental)" "$(lim 60)" $PY scripts/bench_attention.py --gluon-ws "$out/bench_gluon_ws.md"
     fi

@@ -61,6 +61,8 @@ try:  # Gluon is experimental: absent from older Triton, and its API moves betwe
     from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .._gluon_trace import stamp as _trace_stamp
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -68,6 +70,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 _LOG2E = 1.4426950408889634
 
 if AVAILABLE:
+    TRACE_TILES = gl.constexpr(128)  # TRACE builds' stamp buffer: [1, TRACE_TILES, TRACE_EVENTS] int64
+    TRACE_EVENTS = gl.constexpr(9)
+
     @gluon.jit
     def _softmax_step(s, m_i, l_i, o_m, o_n, M, N, n0, qk_scale,
                       CAUSAL: gl.constexpr, MASK: gl.constexpr):
@@ -150,32 +155,48 @@ if AVAILABLE:
                       k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
                       row_o: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, ISSUE_NEXT: gl.constexpr,
-                      MASK: gl.constexpr):
+                      MASK: gl.constexpr, TR=None, tr_on=False, TRACE: gl.constexpr = False):
         """PV_OVERLAP schedule, key tile j. In: P_j (dot operand); acc already rescaled by alpha_j; s =
         S_{j+1}, complete. Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1}
         under both wgmmas. Then wait for P_j V_j alone and rescale acc by alpha_{j+1} and convert P_{j+1}
         while S_{j+2} still runs (the A registers of P_j V_j and acc are free only once it is done), and
         wait for S_{j+2}: nothing is in flight across the loop's back edge."""
+        # TRACE events of step j (scripts/trace_flash_fwd.py): 0 step start, 2 both warpgroups past the CTA
+        # barrier (P_j V_j issued), 4 tile j + 2 landed and S_{j+2} issued, 5 softmax of tile j + 1 done,
+        # 6 P_j V_j done, 8 acc rescaled, P_{j+1} converted and S_{j+2} done. (More stamps push the
+        # d 128 build past 255 registers, and ptxas then serialises the wgmmas, C7511.)
+        if TRACE:
+            _trace_stamp(TR, tr_on, 0, j, 0, TRACE_TILES, TRACE_EVENTS)
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
         # P_{j-1} V_{j-1} finished in step j - 1 in both warpgroups once all threads pass here, so tile
         # j - 1's stage can be refilled.
         gl.thread_barrier()
+        if TRACE:
+            _trace_stamp(TR, tr_on, 0, j, 2, TRACE_TILES, TRACE_EVENTS)
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
                  STAGES, D_QK0, SPLIT)
         if ISSUE_NEXT:
             nxt = (j + 2) % STAGES
             mbarrier.wait(bars.index(nxt), ((j + 2) // STAGES) & 1)
             s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
+            if TRACE:
+                _trace_stamp(TR, tr_on, 0, j, 4, TRACE_TILES, TRACE_EVENTS)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, (j + 1) * BLOCK_N, qk_scale, CAUSAL, MASK)
         p_lo = p.to(dtype)
+        if TRACE:
+            _trace_stamp(TR, tr_on, 0, j, 5, TRACE_TILES, TRACE_EVENTS)
         if ISSUE_NEXT:
             acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if TRACE:
+            _trace_stamp(TR, tr_on, 0, j, 6, TRACE_TILES, TRACE_EVENTS)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p_lo, p_layout)
         if ISSUE_NEXT:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            if TRACE:
+                _trace_stamp(TR, tr_on, 0, j, 8, TRACE_TILES, TRACE_EVENTS)
         return p_op, alpha, s, acc, m_i, l_i
 
     @gluon.jit
@@ -186,13 +207,15 @@ if AVAILABLE:
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
-        TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
+        TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
         # head's longest (last) row blocks first.
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
+        # TRACE: program (0, 0) stamps its steady loop: with causal, the head's last (longest) row block
+        tr_on = (pid_m == 0) & (pid_bh == 0)
         if CAUSAL:
             pid_m = gl.num_programs(0) - 1 - pid_m
         i_b = pid_bh // H
@@ -301,25 +324,25 @@ if AVAILABLE:
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j + 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
                     if j_split % 2 == 1:
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                             bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero,
-                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False)
+                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
                     for j in range(j_split, n_tiles - 2):
                         p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL, TR, tr_on, TRACE)
                     p_op, alpha, s, acc, m_i, l_i = _overlap_step(
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True)
+                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE)
                 # P V of the last tile (acc already rescaled by its alpha).
                 acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -399,7 +422,7 @@ def _split_head_dim(d: int):
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
-                    q_in_regs: bool | None = None, token_major: bool = False):
+                    q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
@@ -449,5 +472,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
+        **({"TR": trace, "TRACE": True} if trace is not None else {}),
     )
     return o, lse

@@ -84,6 +84,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .._gluon_trace import stamp as _trace_stamp
     AVAILABLE = hasattr(gl, "warp_specialize")
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -124,11 +126,7 @@ if AVAILABLE:
     def _stamp(TR, on, who, t, event):
         """TRACE builds only (scripts/trace_mla_decode.py): this SM's clock64 into TR[who, t, event] for
         key tiles t < TRACE_TILES, from the program that ``on`` marks. A constexpr-off build has no trace."""
-        slot = (who * TRACE_TILES + gl.minimum(t, TRACE_TILES - 1)) * TRACE_EVENTS + event
-        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [slot], dtype=gl.int64, is_pure=False,
-                                        pack=1)
-        if on & (t < TRACE_TILES):
-            gl.store(TR + slot, clk)
+        _trace_stamp(TR, on, who, t, event, TRACE_TILES, TRACE_EVENTS)
 
     @gluon.jit
     def _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0):
