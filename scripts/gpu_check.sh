@@ -68,7 +68,7 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ]; then
   mla_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
   # not-yet-timed schedule orders (tests named *experimental*): reported, they do not fail the check
   status=0
-  step "gluon MLA decode tests, experimental orders" "$(lim 90)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
+  step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
   export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
   [ "$mla_ok" = 1 ] || export MLA_ATTN_BENCH_S_ONCE=0
   status=$keep
