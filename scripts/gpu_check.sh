@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
+#   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 traces
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
 set -uo pipefail
@@ -54,7 +55,7 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 fi
-if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ]; then
+if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ] || [ "$part" = probe ]; then
   # The warp-specialised Gluon kernels get steps of their own with short limits (a wrong mbarrier phase
   # hangs rather than fails). The forward's (experimental, not routed): a failure is reported but does
   # not fail the check. The MLA decode kernel's: routed, so a failure fails the check. The bench part
@@ -66,10 +67,12 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ]; then
   status=0
   step "gluon MLA decode tests" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k 'not experimental' 2>&1 | tee '$out/gpu_gluon_mla_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
   mla_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
-  # not-yet-timed schedule orders (tests named *experimental*): reported, they do not fail the check
-  status=0
-  step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
-  export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
+  if [ "$part" != bench ]; then
+    # not-yet-timed schedule orders (tests named *experimental*): reported, they do not fail the check
+    status=0
+    step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
+    export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
+  fi
   [ "$mla_ok" = 1 ] || export MLA_ATTN_BENCH_S_ONCE=0
   status=$keep
   [ "$mla_ok" = 1 ] || status=1
@@ -78,7 +81,6 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
     step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
     step "bench gluon variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
-    step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
     if [ "$ws_ok" = 1 ]; then
       step "bench warp-specialised forward (experimental)" "$(lim 60)" $PY scripts/bench_attention.py --gluon-ws "$out/bench_gluon_ws.md"
     fi
@@ -87,11 +89,18 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
     step "bench decode" "$(lim 320)" $PY scripts/bench_decode.py --graph --out "$out/bench_decode.md"
     if [ "$mla_ok" = 1 ]; then
       step "bench gluon MLA decode kernel, both schedules" "$(lim 120)" $PY scripts/bench_decode.py --gluon-mla "$out/bench_gluon_mla.md"
-      # diagnostics of its tile loop: per-tile time of each schedule order, and one program's clock64 timeline
-      step "probe gluon MLA decode tile rate" "$(lim 150)" $PY scripts/probe_mla_decode.py "$out/probe_mla_decode.md"
-      step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
     fi
   fi
+fi
+if [ "$part" = all ] || [ "$part" = probe ]; then
+  # Diagnostics (ONLY=probe, a third device call): the MLA decode kernel's per-tile time for each schedule
+  # order (the experimental ones only if their tests above passed), and clock64 timelines of one program
+  # of the MLA decode kernel and of the flash forward.
+  if [ "$mla_ok" = 1 ]; then
+    step "probe gluon MLA decode tile rate" "$(lim 150)" $PY scripts/probe_mla_decode.py "$out/probe_mla_decode.md"
+    step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
+  fi
+  step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
 fi
 echo "gpu_check status: $status"
 exit $status
