@@ -63,7 +63,7 @@ def _schedule_name(s_once, pv_first, dedicated):
     return ["S once, S first", "S once, PV first", "S once, PV first, waited"][pv_first]
 
 
-def main(out, dev="cuda"):
+def main(out, dev="cuda", lengths=(64, 1024, 4096, 8192)):
     from mla_attn.ops.decode import gluon_mla
 
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +74,6 @@ def main(out, dev="cuda"):
     def queries(b, h):
         return (torch.randn(b, h, 512, generator=gen).to(dev, dt), torch.randn(b, h, 64, generator=gen).to(dev, dt))
 
-    lengths = [64, 1024, 4096, 8192]
     lines += ["## Tile rate (unsplit, one program per SM, graph replay us)", "",
               "| B | H | cache | schedule | " + " | ".join(f"L {n}" for n in lengths) + " | us per 64-key tile | fixed us |"
               " TFLOP/s per tile |", "|---|---|---|---|" + "---|" * len(lengths) + "---|---|---|"]

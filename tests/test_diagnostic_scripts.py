@@ -1,0 +1,84 @@
+"""The GPU diagnostic scripts' arithmetic, checked off the GPU with the kernels stubbed out.
+
+scripts/probe_mla_decode.py fits time against tiles to get the per-tile rate, and scripts/trace_flash_fwd.py
+turns clock64 stamps into per-step medians. A device call is too scarce to find a slip in either, so
+here they are fed synthetic timings whose answer is known.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+
+def _stub_mla(monkeypatch, probe, per_tile, fixed):
+    """The Gluon MLA decode stubbed, and graph timing that returns fixed + per_tile * tiles (seconds) for the
+    call just made, so the fit must find exactly those."""
+    from mla_attn.ops.decode import gluon_mla
+
+    seen = []
+
+    def fake(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=None, **kw):
+        seen.append((int(seq_lens[0]), kw.get("s_once"), kw.get("pv_first"), kw.get("dedicated")))
+        return (ql.new_zeros(1),)
+
+    monkeypatch.setattr(gluon_mla, "mla_decode_gluon", fake)
+    monkeypatch.setattr(probe, "_bench_graph", lambda fn: (fn(), fixed + per_tile * seen[-1][0] / 64)[1])
+    monkeypatch.setattr(probe, "_kernel_us", lambda fn: {"_mla_decode_s1": 30.0, "_combine_kernel": 7.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    return seen
+
+
+@pytest.mark.parametrize("experimental", ["1", "0"])
+def test_probe_fits_per_tile_time(tmp_path, monkeypatch, experimental):
+    import probe_mla_decode as probe
+
+    monkeypatch.setenv("MLA_ATTN_PROBE_EXPERIMENTAL", experimental)
+    seen = _stub_mla(monkeypatch, probe, per_tile=2.5e-6, fixed=20e-6)
+    out = tmp_path / "probe.md"
+    probe.main(str(out), dev="cpu", lengths=(64, 128, 256, 512))
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| 66 | 128 | hbm")]
+    names = [r.split(" | ")[3] for r in rows]
+    assert names[0] == "S once, PV first" and "scores twice" in names
+    assert any("dedicated" in n for n in names) == (experimental == "1")
+    for r in rows:  # slope 2.5 us a tile, intercept 20 us, as fed
+        cells = r.strip("|").split(" | ")
+        assert cells[-3].strip() == "2.500" and cells[-2].strip() == "20.0", r
+    assert {s[1:] for s in seen if s[1] is not None} == {sc for sc in probe._schedules()}
+
+
+@pytest.mark.skipif(not __import__("mla_attn.ops.attention.gluon_fwd", fromlist=["AVAILABLE"]).AVAILABLE,
+                    reason="needs Triton's Gluon (for the TRACE buffer's shape)")
+def test_flash_trace_medians(monkeypatch):
+    import triton
+
+    import trace_flash_fwd as trace
+    from mla_attn.ops.attention import gluon_fwd
+
+    deltas = {0: 0, 2: 300, 4: 900, 5: 1500, 6: 1700, 8: 2200}  # event -> cycles after the step's start
+
+    def fake(q, k, v, causal, scale, token_major=False, trace=None):
+        if trace is not None:
+            for j in range(40):
+                for e, d in deltas.items():
+                    trace[0, j, e] = 1000 + 3000 * j + d
+        return (q.new_zeros(1),)
+
+    monkeypatch.setattr(gluon_fwd, "flash_fwd_gluon", fake)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    real_to, real_zeros = torch.Tensor.to, torch.zeros
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: real_to(self, *("cpu" if x == "cuda" else x
+                                                                                   for x in a), **kw))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: real_zeros(*a, **{**kw, "device": "cpu"}))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    lines = []
+    trace._run(1, 2, 2, 256, 128, 128, lines)
+    assert lines[0].endswith("40 steady steps stamped")
+    assert lines[2].split()[:2] == ["period", "3000"]
+    parts = {ln[:13].strip(): int(ln[13:].split()[0]) for ln in lines[3:8]}
+    assert parts == {"barrier": 300, "S issue": 600, "softmax": 600, "P V wait": 200, "S wait": 500}
