@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from probe_mla_decode import _write  # the report so far, rewritten after each case
+
 PARTS = [("barrier", 0, 2), ("S issue", 2, 4), ("softmax", 4, 5), ("P V wait", 5, 6), ("S wait", 6, 8)]
 
 
@@ -77,18 +79,12 @@ def _run(b, h, hk, n, dqk, dv, lines, token_major=False):
     add(f"  (a step's wgmmas at 687 TFLOP/s / 132 SMs: {tensor * 1e9:.0f} ns; the SM clock converts cycles)")
 
 
-def _emit(out, lines):
-    """Rewrite the report so far (a hang or a time limit later keeps what was traced)."""
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def main(out):
     lines = [f"# Gluon flash forward trace, {torch.cuda.get_device_name()}"]
     for b, h, hk, n, dqk, dv, tm in [(4, 32, 32, 4096, 128, 128, False), (4, 32, 32, 4096, 128, 128, True),
                                      (8, 32, 8, 2048, 128, 128, False), (4, 128, 128, 2048, 192, 128, False)]:
         _run(b, h, hk, n, dqk, dv, lines, token_major=tm)
-        _emit(out, lines)
+        _write(out, lines)
     print("\n".join(lines))
 
 

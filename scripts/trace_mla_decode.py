@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from probe_mla_decode import _write  # the report so far, rewritten after each case
+
 EVENTS = ["tile landed", "S issued", "PV(t-1) issued", "S done", "softmax done", "PV(t-1) done", "P(t-1) free",
           "P(t) published"]
 
@@ -101,19 +103,13 @@ def _run(b, h, n, splits, out_lines, pv_first=0):
         add(f"  {v:8d}  {name}")
 
 
-def _emit(out, lines):
-    """Rewrite the report so far (a hang or a time limit later keeps what was traced)."""
-    with open(out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def main(out):
     lines = [f"# Gluon MLA decode (S once) trace, {torch.cuda.get_device_name()}"]
     for pv_first in (0, 1, 2) if os.environ.get("MLA_ATTN_PROBE_EXPERIMENTAL", "1") != "0" else (0, 1):
         _run(66, 128, 4096, 1, lines, pv_first)
-        _emit(out, lines)
+        _write(out, lines)
         _run(1, 128, 32768, 66, lines, pv_first)
-        _emit(out, lines)
+        _write(out, lines)
     print("\n".join(lines))
 
 
