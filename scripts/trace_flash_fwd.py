@@ -26,13 +26,12 @@ import sys
 import torch
 
 from probe_mla_decode import _write  # the report so far, rewritten after each case
+from trace_mla_decode import run_traced
 
 PARTS = [("barrier", 0, 2), ("S issue", 2, 4), ("softmax", 4, 5), ("P V wait", 5, 6), ("S wait", 6, 8)]
 
 
 def _run(b, h, hk, n, dqk, dv, lines, token_major=False):
-    import triton
-
     from mla_attn.ops.attention import gluon_fwd
 
     gen = torch.Generator().manual_seed(0)
@@ -52,14 +51,7 @@ def _run(b, h, hk, n, dqk, dv, lines, token_major=False):
     def call(trace=None):
         return gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, token_major=token_major, trace=trace)[0]
 
-    ref = call()
-    for _ in range(3):
-        tr.zero_()
-        got = call(tr)
-    torch.cuda.synchronize()
-    assert (got.float() - ref.float()).abs().max().item() < 1e-2, "the TRACE build's output differs"
-    t_plain = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
-    t_trace = triton.testing.do_bench(lambda: call(tr), warmup=10, rep=50, return_mode="median")
+    t_plain, t_trace = run_traced(call, tr)
     flops = 2 * b * h * n * n * (dqk + dv) / 2
     x = tr[0].cpu()
     steps = [j for j in range(tiles) if int(x[j, 0]) and int(x[j, 8])]

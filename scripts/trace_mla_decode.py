@@ -25,9 +25,22 @@ EVENTS = ["tile landed", "S issued", "PV(t-1) issued", "S done", "softmax done",
           "P(t) published"]
 
 
-def _run(b, h, n, splits, out_lines, pv_first=0):
+def run_traced(call, tr):
+    """Fill the stamp buffer tr with a warm TRACE run of call(trace=tr), check that its output is the
+    normal build's, and return (normal, TRACE) milliseconds per eager call (do_bench medians)."""
     import triton
 
+    ref = call()
+    for _ in range(3):
+        tr.zero_()
+        got = call(tr)
+    torch.cuda.synchronize()
+    assert (got.float() - ref.float()).abs().max().item() < 1e-2, "the TRACE build's output differs"
+    return (triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median"),
+            triton.testing.do_bench(lambda: call(tr), warmup=10, rep=50, return_mode="median"))
+
+
+def _run(b, h, n, splits, out_lines, pv_first=0):
     from mla_attn.ops.decode import gluon_mla
 
     gen = torch.Generator().manual_seed(0)
@@ -43,14 +56,7 @@ def _run(b, h, n, splits, out_lines, pv_first=0):
         return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
                                           num_splits=splits, trace=trace, pv_first=pv_first)[0]
 
-    ref = call()
-    for _ in range(3):
-        tr.zero_()
-        got = call(tr)
-    torch.cuda.synchronize()
-    assert (got.float() - ref.float()).abs().max().item() < 1e-2, "the TRACE build's output differs"
-    t_plain = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e3
-    t_trace = triton.testing.do_bench(lambda: call(tr), warmup=10, rep=50, return_mode="median") * 1e3
+    t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
     x = tr.cpu()
     n_tiles = -(-(-(-n // splits)) // 64)
     add = out_lines.append
