@@ -44,8 +44,8 @@ def test_probe_fits_per_tile_time(tmp_path, monkeypatch, experimental):
     probe.main(str(out), dev="cpu", lengths=(64, 128, 256, 512))
     rows = [r for r in out.read_text().splitlines() if r.startswith("| 66 | 128 | hbm")]
     names = [r.split(" | ")[3] for r in rows]
-    assert names[0] == "S once, PV first" and "scores twice" in names
-    assert any("dedicated" in n for n in names) == (experimental == "1")
+    assert names[0] == "S once, dedicated scorer" and "S once, PV first" in names and "scores twice" in names
+    assert any("Q half" in n or "waited" in n for n in names) == (experimental == "1")
     for r in rows:  # slope 2.5 us a tile, intercept 20 us, as fed
         cells = r.strip("|").split(" | ")
         assert cells[-3].strip() == "2.500" and cells[-2].strip() == "20.0", r

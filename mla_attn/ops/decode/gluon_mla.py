@@ -34,14 +34,15 @@ Two schedules for the consumers:
     releases tile t - 1's stage when that P V is done, so the load of tile t + 1 runs under S_t.
     With S_t first (0, the first version) ptxas waited for S_t before the rescale of acc (C7517),
     and the whole tile loop ran as one serial chain (a clock64 trace, ``scripts/trace_mla_decode.py``).
-    2 (experimental) also waits for that P V before issuing S_t.
+    2 also waits for that P V before issuing S_t (slower on the H200: 2.80 against 2.60 us a tile).
   - sm_90a: 231 KB of shared memory, 168 registers, 360 bytes spilled, outside the tile loop's hot
     path as far as the SASS shows; no C75xx with ``PV_FIRST`` 1.
-  - EXPERIMENTAL, not yet run on a GPU (``DEDICATED``): the same hand-over with fixed roles. A scorer
+  - Fixed roles (``DEDICATED``, default 1 since d283001's H200 probe): the same hand-over, but a scorer
     warpgroup computes every S and softmax (its waits are for S alone), two P V warpgroups own 256
     columns each, and the first of them also issues the loads (12 warps; sm_90a: 168 registers, no
-    spills). ``DEDICATED = 2`` also holds Q's latent columns 0-255 in the scorer's registers, so 16 of
-    S's 36 wgmmas read only K from shared memory.
+    spills). 2.26 us per 64-key tile at H = 128 against 2.60 for the scorer that alternates (above).
+    ``DEDICATED = 2`` also holds Q's latent columns 0-255 in the scorer's registers, so 16 of S's 36
+    wgmmas read only K from shared memory: no faster (2.29 us), kept as an option.
 - **Each score tile twice** (``_mla_decode_ws``, the first version; ``s_once=False``). Each consumer
   computes the whole score tile and runs the whole softmax itself, so the consumers share no data,
   only the turn to issue (two ``turn`` mbarriers). That is a third more tensor work. It was 3-7% faster
@@ -104,15 +105,19 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 # scorer then waits ~2000 cycles for that load. P V first (4a813d2, scripts/probe_mla_decode.py, one
 # program per SM): 2.56 against 3.01 us per 64-key tile at H = 128 (460 against 390 TFLOP/s per tile),
 # 3.17 against 3.51 at H = 64; B = 1, L = 32768, 66 splits: 44.1 against 47.5 us a step. On by
-# default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off. 2 (EXPERIMENTAL, not yet run on a GPU) also waits
-# for that P V before issuing S_t: the trace showed S_t's issue blocking until most of it has run.
+# default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off. 2 also waits for that P V before issuing S_t (the
+# trace showed S_t's issue blocking until most of it has run): slower, see DEDICATED below. PV_FIRST applies
+# to the alternating scorers only (DEDICATED = 0).
 PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 P V first, waited
-# EXPERIMENTAL, not yet run on a GPU: S once with a dedicated scorer warpgroup and two P V warpgroups, the
-# first of which also issues the loads (``_scorer_sd`` / ``_pv_sd``). sm_90a: 168 registers, no spills,
-# no C75xx. MLA_ATTN_GLUON_MLA_DEDICATED=1 turns it on; 2 also holds Q's latent columns 0-255 in the scorer's
-# registers (64 a thread) as the A operand of that part of S, so S reads 40 KB of Q from shared memory a
-# tile instead of 72.
-DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "0"))
+# S once with a dedicated scorer warpgroup and two P V warpgroups, the first of which also issues the loads
+# (``_scorer_sd`` / ``_pv_sd``). sm_90a: 168 registers, no spills, no C75xx. H200 probe at d283001
+# (scripts/probe_mla_decode.py, 132 programs, H = 128, cache in HBM): 2.255 us per 64-key tile against
+# 2.600 for PV_FIRST 1 alone (522 against 453 TFLOP/s per tile); B = 1, L = 32768, 66 splits: 39.2
+# against 44.4 us a step (graph). On by default; MLA_ATTN_GLUON_MLA_DEDICATED=0 turns it off. 2 also holds
+# Q's latent columns 0-255 in the scorer's registers (64 a thread) as the A operand of that part of S, so
+# S reads 40 KB of Q from shared memory a tile instead of 72: 2.285 us, no gain. PV_FIRST 2 (waited):
+# 2.800 us, slower than 1. Both passed their GPU tests.
+DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -508,7 +513,7 @@ if AVAILABLE:
         _consumer_s1(1, qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, empty, p_ready, p_free, q_bar,
                      O, LSE, qk_scale, length, n_tiles, o_row0, STAGES, TR, tr_on, TRACE, PV_FIRST)
 
-    # ---- EXPERIMENTAL (DEDICATED, not yet run on a GPU): a scorer warpgroup and two P V warpgroups ----
+    # ---- DEDICATED (the default): a scorer warpgroup and two P V warpgroups ----
     # The scorer (the default partition) computes every score tile, keeps (m, l) in registers and
     # publishes P_t and alpha_t as above. It never issues a P V, so its wgmma waits are for S alone,
     # and it starts S_{t+1} as soon as P_t is out. Each P V warpgroup owns 256 output columns: it
