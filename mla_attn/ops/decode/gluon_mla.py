@@ -58,18 +58,18 @@ Local sm_90a compile: ``scripts/compile_sm90.py gluon_mla 64,64,4,2 [--paged] [-
 Timing: ``scripts/bench_decode.py --gluon-mla`` (direct calls; both schedules and the Triton kernel)
 and ``--graph`` (through the op: its ``[gluon]`` rows, with the Triton kernel beside them).
 
-H200, graph replays through the op, H = 128, contiguous cache, varlen lengths (4d62e24,
-``bench_decode.py --graph``; the S-first order's at d3655cf beside them):
+H200, graph replays through the op, H = 128, contiguous cache, varlen lengths (``bench_decode.py --graph``;
+the S-first order at d3655cf, P V first at 4d62e24, the dedicated scorer at 230f3fa):
 
-| B | L | Triton kernel | S once, S first | S once, P V first |
-|---|---|---|---|---|
-| 1 | 32768 | 50.9 us | 47.8 us | 43.8 us (208 TFLOP/s) |
-| 16 | 8192 | 135.2 us | 118.5 us | 103.3 us (324) |
-| 64 | 4096 | 257.2 us | 211.5 us | 182.2 us (354) |
-| 128 | 8192 | 884.5 us | 770.1 us | 659.3 us (391) |
+| B | L | Triton kernel | S once, S first | S once, P V first | dedicated scorer (default) |
+|---|---|---|---|---|---|
+| 1 | 32768 | 50.9 us | 47.8 us | 43.8 us (208 TFLOP/s) | 37.6 us (243) |
+| 16 | 8192 | 135.2 us | 118.5 us | 103.3 us (324) | 82.9 us (404) |
+| 64 | 4096 | 257.2 us | 211.5 us | 182.2 us (354) | 147.0 us (438) |
+| 128 | 8192 | 884.5 us | 770.1 us | 659.3 us (391) | 556.1 us (461) |
 
-Still open: the eager host path costs more than the Triton kernel's. bench_decode's eager column
-reads 284 against 150 us at B = 1; CUDA graphs hide it.
+Eager calls are host-bound and their times noisy: bench_decode's eager column at B = 1 read 284 us
+(4d62e24) and 133 us (230f3fa), against 150 and 252 for the Triton kernel. CUDA graphs hide it.
 """
 
 from __future__ import annotations
