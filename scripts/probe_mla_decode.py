@@ -10,12 +10,16 @@ Three probes, each timed as CUDA-graph replays (triton.testing.do_bench median):
    path only).
 3. **Batch 1 split sweep.** B = 1, H = 128, L = 32768: the step's time against num_splits, with the
    decode kernel's and the combine's own GPU durations (torch.profiler).
+4. **Batch 1, default schedule only** (``--b1``, alone): more split counts, and the combine's tile rule
+   (``combine._TARGET_PROGRAMS`` etc.) varied, each row with its output's max abs difference from the
+   float32 reference, so a faster rule is also checked on the GPU.
 
 Each line is one consumer schedule of ``gluon_mla`` (``_schedules``: the default first, the experimental
 ones last, and only when MLA_ATTN_PROBE_EXPERIMENTAL is not 0). The table is rewritten after every line,
 so a hang or a time limit keeps what was measured.
 
     PYTHONPATH=. python3 scripts/probe_mla_decode.py [OUT.md]
+    PYTHONPATH=. python3 scripts/probe_mla_decode.py --b1 [OUT.md]
 """
 
 from __future__ import annotations
@@ -128,5 +132,71 @@ def main(out, dev="cuda", lengths=(64, 1024, 4096, 8192)):
         _write(out, lines)
 
 
+# combine rules for the B = 1 sweep: (target programs, elements a step, most parts a step, most columns,
+# programmatic dependent launch)
+COMBINE_RULES = {
+    "default": None,
+    "default, PDL launch": (256, 8192, 32, 256, True),
+    "1 row x 64 cols, 128 parts a step": (1024, 8192, 128, 64, False),
+    "1 row x 128 cols, 64 parts a step": (512, 8192, 64, 128, False),
+    "1 row x 128 cols, 128 parts a step": (512, 16384, 128, 128, False),
+    "1 row x 64 cols, 128 parts a step, PDL launch": (1024, 8192, 128, 64, True),
+}
+_RULE_NAMES = ("_TARGET_PROGRAMS", "_STEP_ELEMENTS", "_MAX_CHUNK", "_MAX_DV", "_PDL")
+
+
+def b1_sweep(out, dev="cuda", splits_list=(60, 64, 66, 72, 80, 96), rule_splits=(64, 66), n=32768):
+    """The default schedule at B = 1, H = 128: step time against num_splits, then the combine's tile rules
+    at ``rule_splits``; every row's output checked against the float32 reference."""
+    from mla_attn.ops.decode import combine, gluon_mla
+    from mla_attn.ops.decode.reference import mla_decode_reference
+
+    gen = torch.Generator().manual_seed(1)
+    dt, scale, h = torch.bfloat16, 192 ** -0.5, 128
+    ql = torch.randn(1, h, 512, generator=gen).to(dev, dt)
+    qr = torch.randn(1, h, 64, generator=gen).to(dev, dt)
+    buf = torch.randn(1, n, 576, generator=gen).to(dev, dt)
+    seq_lens = torch.full((1,), n, dtype=torch.int32, device=dev)
+    ref = mla_decode_reference(ql.unsqueeze(2).float(), qr.unsqueeze(2).float(), buf[..., :512].float(),
+                               buf[..., 512:].float(), seq_lens, None, scale)[0].squeeze(2)
+    flops = 2.0 * h * n * 1088
+    lines = [f"# Gluon MLA decode, B 1, H {h}, L {n}: splits and combine rules ({torch.cuda.get_device_name()})", "",
+             f"schedule: {_schedule_name(True, gluon_mla.PV_FIRST, gluon_mla.DEDICATED)}; combine default rule "
+             f"{_RULE_NAMES}: {tuple(getattr(combine, a) for a in _RULE_NAMES)}", "",
+             "| num_splits | combine rule | tiles (rows, cols, parts a step, warps) | step us (graph) | TFLOP/s "
+             "| decode kernel us | combine us | max abs diff vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+    saved = tuple(getattr(combine, a) for a in _RULE_NAMES)
+    cases = [(s_, "default") for s_ in splits_list] + [(s_, r) for s_ in rule_splits for r in COMBINE_RULES
+                                                        if r != "default"]
+    for splits, rule in cases:
+        vals = COMBINE_RULES[rule] or saved
+        for a, v in zip(_RULE_NAMES, vals):
+            setattr(combine, a, v)
+        try:
+            def step():
+                return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, scale,
+                                                  num_splits=splits)[0]
+
+            diff = (step().float() - ref).abs().max().item()
+            t = _bench_graph(step)
+            ks = _kernel_us(step)
+            dec = sum(v for k, v in ks.items() if "mla_decode" in k)
+            comb = sum(v for k, v in ks.items() if "combine" in k)
+            tiles = combine._combine_tiles(splits, h, 512, *vals[:4])
+            lines.append(f"| {splits} | {rule} | {tiles} | {t * 1e6:.1f} | {flops / t / 1e12:.0f} | {dec:.1f} "
+                         f"| {comb:.1f} | {diff:.1e} |")
+        except Exception as e:  # one rule failing (a launch option, a capture) must not lose the others
+            lines.append(f"| {splits} | {rule} | failed: {type(e).__name__}: {str(e)[:120]} | | | | | |")
+        finally:
+            for a, v in zip(_RULE_NAMES, saved):
+                setattr(combine, a, v)
+        print(lines[-1], flush=True)
+        _write(out, lines)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "probe_mla_decode.md")
+    args = [a for a in sys.argv[1:] if a != "--b1"]
+    if "--b1" in sys.argv[1:]:
+        b1_sweep(args[0] if args else "probe_mla_b1.md")
+    else:
+        main(args[0] if args else "probe_mla_decode.md")

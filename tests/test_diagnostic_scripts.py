@@ -52,6 +52,37 @@ def test_probe_fits_per_tile_time(tmp_path, monkeypatch, experimental):
     assert {s[1:] for s in seen if s[1] is not None} == {sc for sc in probe._schedules()}
 
 
+def test_probe_b1_sweep_rows_and_restores_rule(tmp_path, monkeypatch):
+    """--b1: one row per split count and per alternative combine rule, each with the rule's tiles and
+    the output's difference from the float32 reference; the module's rule is restored after each row."""
+    import probe_mla_decode as probe
+
+    from mla_attn.ops.decode import combine, gluon_mla
+    from mla_attn.ops.decode.reference import mla_decode_reference
+
+    rules_seen = []
+
+    def fake(ql, qr, kv, kr, seq_lens, bt, scale, num_splits=None, **kw):
+        rules_seen.append(tuple(getattr(combine, a) for a in probe._RULE_NAMES))
+        o = mla_decode_reference(ql.unsqueeze(2).float(), qr.unsqueeze(2).float(), kv.float(), kr.float(), seq_lens,
+                                 None, scale)[0].squeeze(2)
+        return (o + 0.25,)  # off by exactly 0.25 everywhere
+
+    monkeypatch.setattr(gluon_mla, "mla_decode_gluon", fake)
+    monkeypatch.setattr(probe, "_bench_graph", lambda fn: (fn(), 40e-6)[1])
+    monkeypatch.setattr(probe, "_kernel_us", lambda fn: {"_mla_decode_s1": 30.0, "_combine_kernel": 7.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    saved = tuple(getattr(combine, a) for a in probe._RULE_NAMES)
+    out = tmp_path / "b1.md"
+    probe.b1_sweep(str(out), dev="cpu", splits_list=(60, 64), rule_splits=(66,), n=256)
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| 6")]
+    assert len(rows) == 2 + len(probe.COMBINE_RULES) - 1
+    assert all(r.split(" | ")[-1].startswith("2.5e-01") for r in rows)
+    assert tuple(getattr(combine, a) for a in probe._RULE_NAMES) == saved
+    assert set(rules_seen) == {saved} | {v for v in probe.COMBINE_RULES.values() if v}
+    assert "(1, 64, 128, 4)" in out.read_text()
+
+
 @pytest.mark.skipif(not __import__("mla_attn.ops.attention.gluon_fwd", fromlist=["AVAILABLE"]).AVAILABLE,
                     reason="needs Triton's Gluon (for the TRACE buffer's shape)")
 def test_flash_trace_medians(monkeypatch):

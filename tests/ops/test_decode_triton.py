@@ -324,7 +324,7 @@ def test_merge_attention_states(case, via_api):
     assert torch.equal(o.reshape(-1, dv)[0].float(), torch.zeros(dv, device=DEV))
 
 
-@pytest.mark.parametrize("tiles", [(1, 16, 8, 1), (4, 32, 2, 1), (16, 128, 1, 4), (2, 64, 4, 2)],
+@pytest.mark.parametrize("tiles", [(1, 16, 8, 1), (4, 32, 2, 1), (16, 128, 1, 4), (2, 64, 4, 2), (1, 64, 128, 4)],
                          ids=lambda t: "R{}-Dv{}-chunk{}-w{}".format(*t))
 def test_merge_tile_shapes(tiles, monkeypatch):
     """Every combine tile shape (rows per program, columns, parts per step) gives the oracle's answer,
@@ -351,6 +351,9 @@ def test_combine_tiles_choice():
     assert combine_mod._combine_tiles(63, 128, 512) == (1, 256, 32, 4)  # B=1 H=128, 63 splits
     assert combine_mod._combine_tiles(16, 32, 128) == (1, 128, 16, 4)  # GQA B=1 32 heads, 16 splits
     assert combine_mod._combine_tiles(16, 32, 128, 0)[0] == 8  # the interpreter: always 8 rows
+    # the probe's alternative rules (scripts/probe_mla_decode.py --b1): one load round for B=1's 66 parts
+    assert combine_mod._combine_tiles(66, 128, 512, 1024, 8192, 128, 64) == (1, 64, 128, 4)
+    assert combine_mod._combine_tiles(66, 128, 512, 512, 8192, 64, 128) == (1, 128, 64, 4)
     for parts, rows, dv in [(128, 1, 1024), (3, 5, 16), (40, 300, 72)]:
         br, bdv, chunk, _ = combine_mod._combine_tiles(parts, rows, dv)
         assert br * bdv * chunk <= 8192 and bdv >= min(dv, 16)

@@ -32,6 +32,7 @@ def _combine_kernel(
     # slots are b + w for the workers w that took tiles of sequence b, recomputed here from the lengths.
     SEQ_LENS=None, batch=1, rows_per_seq=1, tile_n=1,
     BALANCED: tl.constexpr = False, MAX_B: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     # A program merges BLOCK_R rows x BLOCK_DV columns in one pass over the parts, CHUNK parts per
     # step, with a running max as in the decode kernel's online softmax: each step's lse and o loads
@@ -39,6 +40,8 @@ def _combine_kernel(
     # keep a big merge at a few hundred programs (one program per row took 98 us to merge 33 MB on
     # the H200 and on an H100); CHUNK parts per step keep a merge of many parts (batch 1: dozens)
     # from a serial chain.
+    if PDL:  # launched as a programmatic dependent of the decode kernel: wait for its partials
+        tl.extra.cuda.gdc_wait()
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
     o_c = tl.arange(0, CHUNK)
@@ -117,20 +120,25 @@ def _combine_kernel(
 _TARGET_PROGRAMS = 256  # programs to aim for (H200: 132 SMs, two or more each)
 _STEP_ELEMENTS = 8192  # most elements of o one step loads per program (CHUNK x BLOCK_R x BLOCK_DV)
 _MAX_CHUNK = 32  # most parts per step
+_MAX_DV = 256  # most columns per program
+# Launch the split combine (CUDA only) as a programmatic dependent launch of the kernel before it, so its
+# launch overlaps that kernel's tail; the combine's griddepcontrol.wait then waits for the partials.
+# Off: an option the B = 1 probe times (scripts/probe_mla_decode.py --b1).
+_PDL = False
 
 
 @functools.lru_cache(maxsize=256)  # on every split decode call's host path
 def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGET_PROGRAMS,
-                   step_elements: int = _STEP_ELEMENTS, max_chunk: int = _MAX_CHUNK):
+                   step_elements: int = _STEP_ELEMENTS, max_chunk: int = _MAX_CHUNK, max_dv: int = _MAX_DV):
     """(BLOCK_R, BLOCK_DV, CHUNK, num_warps) for a merge of ``parts`` x ``rows`` x ``dv``.
 
-    Up to 8 rows x 256 columns per program, fewer rows while that leaves fewer than
+    Up to 8 rows x ``max_dv`` (256) columns per program, fewer rows while that leaves fewer than
     ``target_programs`` programs (0: always 8). With 4 or more rows a program takes one part per
     step: the loop's loads pipeline, and a many-row merge has few parts. With fewer rows (a merge of
     dozens of parts at batch 1) CHUNK parts are loaded per step, up to ``max_chunk`` and
     ``step_elements``, so the merge is one or two dependent load rounds.
     """
-    block_dv = min(256, max(16, next_pow2(dv)))
+    block_dv = min(max_dv, max(16, next_pow2(dv)))
     col_tiles = cdiv(dv, block_dv)
     block_r = 8
     while block_r > 1 and cdiv(rows, block_r) * col_tiles < target_programs:
@@ -150,15 +158,17 @@ def _launch(o_parts3, lse_parts2, o2, lse1):
         return
     # The interpreter runs programs one by one: there, fewer and bigger is faster.
     if o2.is_cuda:
-        block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS, _STEP_ELEMENTS, _MAX_CHUNK)
+        block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS, _STEP_ELEMENTS, _MAX_CHUNK,
+                                                          _MAX_DV)
     else:
         block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, 0)
+    pdl = _PDL and o2.is_cuda
     _combine_kernel[(cdiv(r, block_r), cdiv(dv, block_dv))](
         o_parts3, lse_parts2, o2, lse1, k, r,
         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
         DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
         SEQ_LENS=lse1, batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused when not BALANCED
-        num_warps=warps,
+        num_warps=warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
 
 
