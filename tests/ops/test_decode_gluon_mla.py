@@ -155,3 +155,17 @@ def test_gluon_mla_schedules(page, splits, s_once, pv_first, dedicated, monkeypa
     assert calls
     ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
     _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+
+
+def test_round_splits_to_whole_combine_rounds():
+    """Past 32 parts (one combine load round) the split count goes up to a whole number of rounds when
+    the programs still fit in one wave, else down; 32 or fewer are left alone. Pure Python."""
+    from mla_attn.ops.decode.gluon_mla import _round_splits
+
+    assert _round_splits(63, 2, 132) == 64  # B 1, H 128: the wave rule's 63 -> 64 (128 programs)
+    assert _round_splits(66, 2, 132) == 64  # 3 rounds would not fit: down to 2
+    assert _round_splits(122, 1, 132) == 128  # H 64
+    assert _round_splits(31, 4, 132) == 31 and _round_splits(1, 132, 132) == 1
+    for splits, programs in [(33, 3), (40, 3), (95, 1), (127, 1)]:
+        r = _round_splits(splits, programs, 132)
+        assert r % 32 == 0 and (programs * r <= 132 or r < splits)

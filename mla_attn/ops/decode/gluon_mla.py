@@ -715,6 +715,21 @@ def _query_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t2
 
 
+def _round_splits(splits: int, programs: int, num_sms: int) -> int:
+    """More than one combine round's parts (``combine._MAX_CHUNK``, 32): up to a whole number of rounds
+    if the programs still fit in one wave, else down. The combine loads 32 parts a round, and a last
+    round of a few parts costs a whole round (H200, B = 1, H = 128, L = 32768, scripts/probe_mla_decode.py
+    --b1 at 226f489, graph replays): 66 splits took 39.5 us (combine 7.3), 64 took 36.3 (combine 5.2).
+    63 (the wave rule's pick) cuts 32768 keys into 9-tile intervals, so 57 programs do all the work;
+    64 cuts them into 8."""
+    from .combine import _MAX_CHUNK
+
+    if splits <= _MAX_CHUNK:
+        return splits
+    up = -(-splits // _MAX_CHUNK) * _MAX_CHUNK
+    return up if programs * up <= num_sms else splits // _MAX_CHUNK * _MAX_CHUNK
+
+
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
                      checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
@@ -742,7 +757,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     n = 0 if paged else kv_latent.shape[1]
     capacity = block_table.shape[1] * page_size if paged else n
     if num_splits is None:
-        num_splits = choose_num_splits(b, h // BLOCK_H, capacity, _num_sms(q_latent.device), block_n=BLOCK_N)
+        num_splits = _round_splits(choose_num_splits(b, h // BLOCK_H, capacity, _num_sms(q_latent.device),
+                                                     block_n=BLOCK_N), b * (h // BLOCK_H), _num_sms(q_latent.device))
     o = _alloc(tuple(lead) + (DC,), dtype=q_latent.dtype, device=q_latent.device)
     lse = _alloc(tuple(lead), dtype=torch.float32, device=q_latent.device)
     if b * h == 0:
