@@ -98,6 +98,7 @@ if [ "$part" = all ] || [ "$part" = probe ]; then
   # of the MLA decode kernel and of the flash forward.
   if [ "$mla_ok" = 1 ]; then
     step "probe gluon MLA decode tile rate" "$(lim 150)" $PY scripts/probe_mla_decode.py "$out/probe_mla_decode.md"
+    step "probe gluon MLA decode at batch 1 (splits, combine rules)" "$(lim 60)" $PY scripts/probe_mla_decode.py --b1 "$out/probe_mla_b1.md"
     step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
   fi
   step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"

@@ -738,7 +738,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
     (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
-    (None: ``triton_decode.choose_num_splits`` for one program per SM); their partials are merged by
+    (None: ``triton_decode.choose_num_splits`` for one program per SM, then ``_round_splits``); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
     just called :func:`supported` on these inputs (the op's router), so it is not asked again.
     ``s_once``: the schedule that computes each score tile once (None: ``S_ONCE``, on by default); False
