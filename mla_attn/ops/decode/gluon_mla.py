@@ -757,8 +757,9 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     n = 0 if paged else kv_latent.shape[1]
     capacity = block_table.shape[1] * page_size if paged else n
     if num_splits is None:
-        num_splits = _round_splits(choose_num_splits(b, h // BLOCK_H, capacity, _num_sms(q_latent.device),
-                                                     block_n=BLOCK_N), b * (h // BLOCK_H), _num_sms(q_latent.device))
+        sms = _num_sms(q_latent.device)
+        num_splits = _round_splits(choose_num_splits(b, h // BLOCK_H, capacity, sms, block_n=BLOCK_N),
+                                   b * (h // BLOCK_H), sms)
     o = _alloc(tuple(lead) + (DC,), dtype=q_latent.dtype, device=q_latent.device)
     lse = _alloc(tuple(lead), dtype=torch.float32, device=q_latent.device)
     if b * h == 0:
