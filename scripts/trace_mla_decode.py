@@ -1,12 +1,13 @@
-"""Timeline of one program of the Gluon MLA decode kernel's S-once schedule (H200 diagnostics).
+"""Timeline of one program of the Gluon MLA decode kernel's S-once schedules (H200 diagnostics).
 
 Runs the TRACE build of ``gluon_mla._mla_decode_s1`` (clock64 stamps, constexpr-off in the normal
-build: its SASS is unchanged) and prints, for program (0, 0, 0):
+build: its SASS is unchanged), the dedicated-scorer schedule (the default) first, then the alternating
+scorers, and prints, for program (0, 0, 0):
 - the median cycles of each step of a steady tile (scorer's ready wait, S, softmax, P V, hand-over);
 - the raw event timeline of a few steady tiles, relative to one publish;
 - the prologue and epilogue (producer start, Q landed, P_0 published, loop done, stores issued).
-The stamped build spills more (860 against 360 bytes), so its times are an upper bound; its total is
-printed beside the normal build's.
+The stamped builds spill more (alternating scorers: 860 against 360 bytes; dedicated scorer: 20
+against 0), so their times are upper bounds; each total is printed beside the normal build's.
 
     PYTHONPATH=. python3 scripts/trace_mla_decode.py [OUT.txt]
 """
@@ -40,6 +41,82 @@ def run_traced(call, tr):
             triton.testing.do_bench(lambda: call(tr), warmup=10, rep=50, return_mode="median"))
 
 
+DEDICATED_EVENTS = {0: ["tile landed", "S issued", "S done", "softmax done", "P(t-1) free", "P(t) published"],
+                    1: ["top", "PV issued", "PV done", "loads of t+2 issued"], 2: ["top", "PV issued", "PV done"]}
+
+
+def dedicated_rows(x, n_tiles, tiles, stages=2):
+    """Per steady tile of the dedicated-scorer build's stamps x [4, tiles, 8] (row 0 the scorer, rows 1-2
+    the P V warpgroups, the first of which issues the loads): cycle counts of each part, or [] when the
+    program has too few tiles for a steady state."""
+    last = min(n_tiles, tiles - 1) - 1  # the last slot also holds every later tile's stamps
+    if last < 6:
+        return []
+    sc, pv0, pv1 = x[0], x[1], x[2]
+    rows = []
+    for t in range(3, last - 1):
+        pub, pub_prev = int(sc[t, 5]), int(sc[t - 1, 5])
+        pv_done = max(int(pv0[t, 2]), int(pv1[t, 2]))
+        rows.append(dict(
+            period=pub - pub_prev,
+            scorer_wait_data=max(int(sc[t, 0]) - pub_prev, 0),  # published t - 1 -> tile t landed
+            s_issue=int(sc[t, 1] - sc[t, 0]), s_wait=int(sc[t, 2] - sc[t, 1]), softmax=int(sc[t, 3] - sc[t, 2]),
+            pfree_wait=int(sc[t, 4] - sc[t, 3]), publish=int(sc[t, 5] - sc[t, 4]),
+            pv0_start=int(pv0[t, 1]) - pub, pv1_start=int(pv1[t, 1]) - pub,  # P_t out -> P_t V_t issued
+            pv0=int(pv0[t, 2] - pv0[t, 1]), pv1=int(pv1[t, 2] - pv1[t, 1]),
+            refill=int(pv0[t, 3]) - pv_done,  # both P_t V_t done -> tile t + STAGES's loads issued
+            tma=int(sc[t + stages, 0] - pv0[t, 3]),  # those loads issued -> the scorer sees tile t + STAGES
+        ))
+    return rows
+
+
+def _run_dedicated(b, h, n, splits, out_lines, dedicated):
+    from mla_attn.ops.decode import gluon_mla
+
+    gen = torch.Generator().manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    ql = torch.randn(b, h, 512, generator=gen).to(dev, dt)
+    qr = torch.randn(b, h, 64, generator=gen).to(dev, dt)
+    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    tiles, events = gluon_mla.TRACE_TILES.value, gluon_mla.TRACE_EVENTS.value
+    tr = torch.zeros(4, tiles, events, dtype=torch.int64, device=dev)
+
+    def call(trace=None):
+        return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
+                                          num_splits=splits, trace=trace, dedicated=dedicated)[0]
+
+    t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
+    x = tr.cpu()
+    n_tiles = -(-(-(-n // splits)) // 64)
+    add = out_lines.append
+    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, dedicated scorer{', Q half in registers' if dedicated == 2 else ''}"
+        f": program (0, 0, 0), {n_tiles} tiles")
+    add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
+    pro = x[3]
+    t0 = int(pro[1, 0])
+    add("prologue / epilogue, cycles from the loading warpgroup's start: "
+        + ", ".join(f"{name} {int(v) - t0}" for name, v in [
+            ("scorer start", pro[0, 0]), ("P V 1 start", pro[2, 0]), ("prologue loads issued", pro[1, 1]),
+            ("Q landed", pro[0, 1]), ("tile 0 landed", x[0, 0, 0]), ("P_0 published", x[0, 0, 5]),
+            ("scorer loop done", pro[0, 2]), ("P V 0 loop done", pro[1, 2]), ("P V 1 loop done", pro[2, 2]),
+            ("lse stored", pro[0, 3]), ("P V 0 stores issued", pro[1, 3]), ("P V 1 stores issued", pro[2, 3])]))
+    rows = dedicated_rows(x, n_tiles, tiles)
+    if not rows:
+        return
+    add(f"steady tiles 3..{len(rows) + 2}, median cycles:")
+    for k in rows[0]:
+        add(f"  {k:18s} {statistics.median(r[k] for r in rows):8.0f}")
+    t_a = 3 + min(4, max(len(rows) - 4, 0))
+    base = int(x[0, t_a - 1, 5])
+    ev = [(int(x[w, t, k]) - base, f"{['scorer', 'pv0', 'pv1'][w]} t{t} {name}")
+          for t in range(t_a, min(t_a + 4, min(n_tiles, tiles))) for w in (0, 1, 2)
+          for k, name in enumerate(DEDICATED_EVENTS[w]) if int(x[w, t, k])]
+    add(f"timeline of up to 4 steady tiles (cycles from P(t{t_a - 1}) published):")
+    for v, name in sorted(ev):
+        add(f"  {v:8d}  {name}")
+
+
 def _run(b, h, n, splits, out_lines, pv_first=0):
     from mla_attn.ops.decode import gluon_mla
 
@@ -54,7 +131,7 @@ def _run(b, h, n, splits, out_lines, pv_first=0):
 
     def call(trace=None):
         return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
-                                          num_splits=splits, trace=trace, pv_first=pv_first)[0]
+                                          num_splits=splits, trace=trace, pv_first=pv_first, dedicated=0)[0]
 
     t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
     x = tr.cpu()
@@ -111,6 +188,11 @@ def _run(b, h, n, splits, out_lines, pv_first=0):
 
 def main(out):
     lines = [f"# Gluon MLA decode (S once) trace, {torch.cuda.get_device_name()}"]
+    for dedicated in (1, 2):  # the default schedule first
+        _run_dedicated(66, 128, 4096, 1, lines, dedicated)
+        _write(out, lines)
+        _run_dedicated(1, 128, 32768, 64, lines, dedicated)
+        _write(out, lines)
     for pv_first in (0, 1, 2) if os.environ.get("MLA_ATTN_PROBE_EXPERIMENTAL", "1") != "0" else (0, 1):
         _run(66, 128, 4096, 1, lines, pv_first)
         _write(out, lines)

@@ -113,3 +113,28 @@ def test_flash_trace_medians(monkeypatch):
     assert lines[2].split()[:2] == ["period", "3000"]
     parts = {ln[:13].strip(): int(ln[13:].split()[0]) for ln in lines[3:8]}
     assert parts == {"barrier": 300, "S issue": 600, "softmax": 600, "P V wait": 200, "S wait": 500}
+
+
+def test_dedicated_trace_rows():
+    """The dedicated-scorer trace's per-tile parts, from synthetic stamps with a known schedule: a
+    4000-cycle period, S issued 100 after the tile lands and done 2800 later, and so on."""
+    import trace_mla_decode as trace
+
+    tiles, n_tiles = 64, 12
+    x = torch.zeros(4, tiles, 8, dtype=torch.int64)
+    for t in range(n_tiles):
+        b = 10_000 + 4000 * t  # tile t lands for the scorer
+        x[0, t, :6] = torch.tensor([b, b + 100, b + 2900, b + 3800, b + 3850, b + 4300])
+        pub = b + 4300
+        for w, start, dur in ((1, 200, 1000), (2, 250, 1100)):
+            x[w, t, 0] = pub - 50
+            x[w, t, 1] = pub + start
+            x[w, t, 2] = pub + start + dur
+        x[1, t, 3] = pub + 250 + 1100 + 30  # loads of t + 2, 30 after both P V are done
+    rows = trace.dedicated_rows(x, n_tiles, tiles)
+    assert len(rows) == n_tiles - 1 - 1 - 3
+    want = dict(period=4000, scorer_wait_data=0, s_issue=100, s_wait=2800, softmax=900, pfree_wait=50, publish=450,
+                pv0_start=200, pv1_start=250, pv0=1000, pv1=1100, refill=30, tma=8000 - 4300 - 1380)
+    for r in rows:
+        assert r == want
+    assert trace.dedicated_rows(x, 6, tiles) == []  # too few tiles for a steady state

@@ -524,7 +524,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
-                   qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr):
+                   qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr, TR=None,
+                   tr_on=False, TRACE: gl.constexpr = False):
+        # TRACE (scripts/trace_mla_decode.py): row 0, tile t: 0 tile landed, 1 S issued, 2 S done, 3 softmax
+        # done, 4 P_{t-1} free, 5 P_t published; row 3 slot 0: 0 start, 1 Q landed, 2 loop done, 3 lse stored
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -533,7 +536,11 @@ if AVAILABLE:
         s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 0, 0)
         mbarrier.wait(q_bar, 0)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 0, 1)
         if QA_REGS:  # Q's latent columns 0-255 as a register A operand (64 registers a thread)
             q_a = qa.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
@@ -541,23 +548,45 @@ if AVAILABLE:
         for t in range(n_tiles):
             st = t % STAGES
             mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 0)
             s = _scores(q_a, qb, qr, ka, kb, kr, st, s_zero)
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 2)
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype)
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 3)
             if t > 0:
                 mbarrier.wait(p_free, (t - 1) & 1)  # both P V warpgroups are done with P_{t-1}
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 4)
             _publish_s1(p, m_i, l_i, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+            if TRACE:
+                _stamp(TR, tr_on, 0, t, 5)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 0, 2)
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + o_row0 + gl.arange(0, 64, layout=row_s), lse)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 0, 3)
 
     @gluon.jit
     def _pv_sd(C: gl.constexpr, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem,
                q_bar, ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
-               PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+               PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
+               TRACE: gl.constexpr = False):
+        # TRACE (scripts/trace_mla_decode.py): row 1 + C, tile t: 0 loop top, 1 P_t V_t issued (after its
+        # waits), 2 P_t V_t done, 3 (C = 0) tile t + STAGES's loads issued; row 3 slot 1 + C: 0 start,
+        # 1 (C = 0) the prologue's loads issued, 2 loop done, 3 output stores issued
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 256, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 1 + C, 0)
         if C == 0:
             kv = ka
             _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0)
@@ -565,12 +594,20 @@ if AVAILABLE:
                 if i < n_tiles:
                     _load_tile(c_desc, cr_desc, ka, kb, kr, ready, i, lo, c_row0, bt_row, stride_btp, PAGED,
                                PAGE_SIZE, STAGES)
+            if TRACE:
+                _stamp(TR, tr_on, 3, 1, 1)
         else:
             kv = kb
         acc = gl.zeros([64, 256], gl.float32, layout=o_layout)
         for t in range(n_tiles):
+            if TRACE:
+                _stamp(TR, tr_on, 1 + C, t, 0)
             acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, t, n_tiles, length, STAGES, o_layout)
+            if TRACE:
+                _stamp(TR, tr_on, 1 + C, t, 1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if TRACE:
+                _stamp(TR, tr_on, 1 + C, t, 2)
             mbarrier.arrive(p_free, count=1)
             mbarrier.arrive(empty.index(t % STAGES), count=1)
             if C == 0:
@@ -578,6 +615,10 @@ if AVAILABLE:
                     mbarrier.wait(empty.index(t % STAGES), (t // STAGES) & 1)
                     _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t + STAGES, lo, c_row0, bt_row, stride_btp, PAGED,
                                PAGE_SIZE, STAGES)
+                    if TRACE:
+                        _stamp(TR, tr_on, 1, t, 3)
+        if TRACE:
+            _stamp(TR, tr_on, 3, 1 + C, 2)
         l_fin = gl.zeros([64], gl.float32, layout=row_o)
         if n_tiles > 0:  # published with the last P, which this warpgroup has waited for
             l_fin = l_smem.index((n_tiles - 1) % 2).load(row_o)
@@ -585,22 +626,26 @@ if AVAILABLE:
         o_r = gl.arange(0, 64, layout=row_o)
         o_d = C * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
         gl.store(O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :], o.to(O.dtype.element_ty))
+        if TRACE:
+            _stamp(TR, tr_on, 3, 1 + C, 3)
 
     @gluon.jit
     def _pv_sd0(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
-                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
+                TRACE: gl.constexpr = False):
         _pv_sd(0, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE)
 
     @gluon.jit
     def _pv_sd1(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
-                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
+                TRACE: gl.constexpr = False):
         _pv_sd(1, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE)
 
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
@@ -638,13 +683,13 @@ if AVAILABLE:
             # (the partitions' arguments are written out: a tuple variable would turn the constexprs into ints)
             gl.warp_specialize([
                 (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
-                              LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2)),
+                              LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2, TR, tr_on, TRACE)),
                 (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
-                           o_row0, PAGED, PAGE_SIZE, STAGES)),
+                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
                 (_pv_sd1, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
-                           o_row0, PAGED, PAGE_SIZE, STAGES)),
+                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
         else:
             gl.warp_specialize([
