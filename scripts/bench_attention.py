@@ -316,12 +316,47 @@ def bench_gluon_ws(out=None):
             f.write(text)
 
 
+def bench_gluon_persistent(out=None):
+    """Forward only: the experimental persistent schedule of the Gluon forward against the schedule in
+    use and SDPA, every benchmark row, each checked against SDPA (a NaN rate when it differs)."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | max abs diff vs SDPA | persistent TF/s | in use TF/s | SDPA TF/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
+        scale = dqk ** -0.5
+        flops = 2 * b * hq * n * n * (dqk + dv) / 2
+        ref = _sdpa(q, k, v, scale)
+        try:
+            o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=True)
+            err = (o.float() - ref.float()).abs().max().item()
+            t_p, t_g = _ms_pair(lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=True),
+                                lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=False))
+            t_s = _ms(lambda: _sdpa(q, k, v, scale))
+        except Exception as e:  # report, go on
+            print(f"persistent B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        ok = err < 0.05
+        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {err:.1e} | "
+                     f"{flops / t_p / 1e9 if ok else float('nan'):.0f} | {flops / t_g / 1e9:.0f} | "
+                     f"{flops / t_s / 1e9:.0f} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configs per kernel")
     ap.add_argument("--gluon", metavar="OUT", help="only: time the Gluon kernels' variants, table to OUT")
     ap.add_argument("--gluon-ws", metavar="OUT", help="only: time the experimental warp-specialised forward")
+    ap.add_argument("--gluon-persistent", metavar="OUT",
+                    help="only: time the experimental persistent schedule of the Gluon forward")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
@@ -330,6 +365,9 @@ def main(argv=None):
         return
     if args.gluon_ws:
         bench_gluon_ws(args.gluon_ws)
+        return
+    if args.gluon_persistent:
+        bench_gluon_persistent(args.gluon_persistent)
         return
     if args.sweep:
         sweep()

@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
+    ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
     ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
@@ -126,6 +127,11 @@ def main():
             const["TRACE"] = True
         else:
             const.update(TR=None, TRACE=False)
+        if args.persistent:  # one program an SM, row blocks from a counter (experimental)
+            ptrs["COUNTER"] = "*i32"
+            const["PERSISTENT"] = True
+        else:
+            const.update(COUNTER=None, PERSISTENT=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
         from triton.experimental.gluon import language as gl

@@ -51,7 +51,7 @@ ws_ok=0
 mla_ok=0
 if [ "$part" = all ] || [ "$part" = tests ]; then
   # the GPU-marked tests (the Gluon kernels' among them), and the layers' Triton wiring
-  step "gpu tests" "$(lim 420)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "gpu tests" "$(lim 420)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py -k 'not experimental' 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "demo on cuda" "$(lim 60)" bash -c "set -o pipefail; $PY -m mla_attn --device cuda --layers 4 --batch 8 --prompt-len 512 --new-tokens 64 --page-size 64 2>&1 | tee '$out/demo.txt'"
 fi
@@ -72,6 +72,9 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ] || [ "$part" 
     status=0
     step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
     export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
+    status=0  # the persistent Gluon forward (experimental, not routed): reported, does not fail the check
+    step "gluon forward tests, persistent schedule (experimental)" "$(lim 90)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k experimental 2>&1 | tee '$out/gpu_gluon_persistent.log' | tail -6; exit \${PIPESTATUS[0]}"
+    persistent_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
   fi
   [ "$mla_ok" = 1 ] || export MLA_ATTN_BENCH_S_ONCE=0
   status=$keep
@@ -102,6 +105,9 @@ if [ "$part" = all ] || [ "$part" = probe ]; then
     step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
   fi
   step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
+  if [ "${persistent_ok:-0}" = 1 ]; then
+    step "bench gluon forward, persistent schedule (experimental)" "$(lim 90)" $PY scripts/bench_attention.py --gluon-persistent "$out/bench_gluon_persistent.md"
+  fi
 fi
 echo "gpu_check status: $status"
 exit $status

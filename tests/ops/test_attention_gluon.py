@@ -55,12 +55,24 @@ def test_gluon_forward_fp16(case):
     _check(*case, torch.float16, True)
 
 
-def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False):
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", CASES + [(4, 16, 4, 2048, 2048, 128, 128, True), (3, 8, 8, 1500, 1500, 192, 128, True)],
+                         ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_forward_persistent_experimental(case):
+    """The persistent schedule (one program an SM, row blocks from a counter, the next block's loads
+    before this block's stores), forced on: the default schedule's checks, including batches of more
+    row blocks than SMs (the last two cases: 1024 and 288 blocks), so programs take several blocks."""
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True)
+
+
+def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
-    o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs)
+    o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
+                                       persistent=persistent)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

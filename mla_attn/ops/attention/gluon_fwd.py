@@ -43,6 +43,14 @@ Triton forward in the same run (d45e3df, scripts/bench_attention.py --gluon, doc
 +4% at 4 x 32 x 4096 x 128, +9% at 2 x 16 x 8192 x 192/128, +7% at 4 x 128 x 2048 x 192/128, +4% at
 GQA 8 x 32/8 x 2048 x 128.
 
+EXPERIMENTAL, not yet run on a GPU (``PERSISTENT``, off; ``MLA_ATTN_GLUON_PERSISTENT=1``): one program an
+SM takes row blocks in the grid's order from a counter. When a block's key loop is done it re-arms the
+barriers and requests the next block's Q and first key tiles, then normalises and stores this block's
+output, so those loads' latency hides under the epilogue. A clock64 trace (session 15) found the steady
+step at d 128 within ~10% of its own wgmma time, so the remaining gap to SDPA is per-block fixed cost:
+the serial prologue and epilogue of ~31 row blocks an SM, which weighs most at L 2048
+(``docs/benchmarks.md``). The normal build's SASS is byte-identical with the persistent code in the source.
+
 Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
 - D_v of 64, 128 or 256.
@@ -53,13 +61,15 @@ Everything else stays on the Triton kernel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .._gluon_trace import stamp as _trace_stamp
@@ -68,6 +78,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
+# EXPERIMENTAL, not yet run on a GPU: one program an SM that takes row blocks from a counter and requests the
+# next block's loads before writing the current block's output (``_persistent_loop``). sm_90a, Triton 3.6:
+# 255 registers; no spills at d 128 causal, 92 bytes at 192/128 and 180 at d 128 non-causal (the normal
+# build: 208-226, none). MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
+PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
 
 if AVAILABLE:
     TRACE_TILES = gl.constexpr(128)  # TRACE builds' stamp buffer: [1, TRACE_TILES, TRACE_EVENTS] int64
@@ -200,24 +215,10 @@ if AVAILABLE:
         return p_op, alpha, s, acc, m_i, l_i
 
     @gluon.jit
-    def _flash_fwd_gluon(
-        q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
-        qk_scale, M, N, H, HK,
-        Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
-        stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-        D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
-        TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-    ):
-        # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
-        # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
-        # head's longest (last) row blocks first.
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        # TRACE: program (0, 0) stamps its steady loop: with causal, the head's last (longest) row block
-        tr_on = (pid_m == 0) & (pid_bh == 0)
-        if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - pid_m
+    def _block_rows(pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+        """Row block pid_m of (batch x head) pid_bh -> (i_b, i_h, Q's first row and column, K's first row and
+        column, V's first row and column in the 2-D views)."""
         i_b = pid_bh // H
         i_h = pid_bh % H
         i_hk = i_h // (H // HK)
@@ -226,44 +227,33 @@ if AVAILABLE:
         if TOKEN_MAJOR:
             q_row0 = i_b * Q_RB + i_h * Q_RH + pid_m * BLOCK_M
             q_col0 = i_h * Q_CH
-            kv_row0 = (i_b * K_RB + i_hk * K_RH, i_hk * K_CH, i_b * V_RB + i_hk * V_RH, i_hk * V_CH)
+            k_r0 = i_b * K_RB + i_hk * K_RH
+            k_c0 = i_hk * K_CH
+            v_r0 = i_b * V_RB + i_hk * V_RH
+            v_c0 = i_hk * V_CH
         else:  # all three head-major: the arithmetic the H200 checked in session 12
             q_row0 = pid_bh * M + pid_m * BLOCK_M
             q_col0 = 0
-            kv_row0 = ((i_b * HK + i_hk) * N, 0, (i_b * HK + i_hk) * N, 0)
+            k_r0 = (i_b * HK + i_hk) * N
+            k_c0 = 0
+            v_r0 = (i_b * HK + i_hk) * N
+            v_c0 = 0
+        return i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0
 
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, D_V, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        dtype: gl.constexpr = q_desc.dtype
-        SPLIT: gl.constexpr = D_QK1 > 0  # Dqk = D_QK0 + D_QK1, each a power of two (TMA block shapes)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK0], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK0], k_desc.layout)
-        if SPLIT:
-            q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK1], q1_desc.layout)
-            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK1], k1_desc.layout)
-        else:
-            q1_smem = q_smem
-            k1_smem = k_smem
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-
-        # Key tiles this row block sees: all of them, or (causal, bottom-right) up to its last row's.
+    @gluon.jit
+    def _block_tiles(pid_m, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tiles row block pid_m sees: all of them, or (causal, bottom-right) up to its last row's."""
         kv_end = N
         if CAUSAL:
             kv_end = gl.minimum(N, (pid_m + 1) * BLOCK_M + (N - M))
             kv_end = gl.maximum(kv_end, 0)
-        n_tiles = gl.cdiv(kv_end, BLOCK_N)
+        return gl.cdiv(kv_end, BLOCK_N)
 
+    @gluon.jit
+    def _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
+                     q_row0, q_col0, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     D_QK0: gl.constexpr, SPLIT: gl.constexpr):
+        """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring."""
         if SPLIT:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
@@ -274,6 +264,15 @@ if AVAILABLE:
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
                      D_QK0, SPLIT)
 
+    @gluon.jit
+    def _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
+                       k_desc, k1_desc, v_desc, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, dtype: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr, D_QK0: gl.constexpr,
+                       SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
+        """A row block's key loop, its loads started by _block_loads and its barriers at phase 0 ->
+        (acc, m_i, l_i, the block's row indices), everything waited for."""
         o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
         o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -361,11 +360,12 @@ if AVAILABLE:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_smem.index(j_last % STAGES), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return acc, m_i, l_i, o_m
 
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-
+    @gluon.jit
+    def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, BLOCK_M: gl.constexpr,
+                        D_V: gl.constexpr):
         # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
@@ -377,6 +377,151 @@ if AVAILABLE:
                + o_d[None, :])
         gl.store(p_o, o.to(O.dtype.element_ty), mask=(o_mo < M)[:, None])
         gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
+
+    @gluon.jit
+    def _work(w, n_mb, CAUSAL: gl.constexpr):
+        """Work item w -> (row block, batch x head) in the non-persistent grid's launch order."""
+        pid_bh = w // n_mb
+        pid_m = w % n_mb
+        if CAUSAL:
+            pid_m = n_mb - 1 - pid_m
+        return pid_m, pid_bh
+
+    @gluon.jit
+    def _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH, Q_CH,
+                         K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+                         COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout: gl.constexpr,
+                         o_layout: gl.constexpr, p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr,
+                         dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr,
+                         Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
+                         SPLIT: gl.constexpr):
+        """EXPERIMENTAL (PERSISTENT, not yet run on a GPU). Program p takes work item p, then the next
+        unclaimed one from COUNTER (zeroed by the launcher), in the order the non-persistent grid launches
+        its programs. Once a block's key loop is done (every load waited for, every wgmma finished), the
+        barriers are re-armed at phase 0 and the next block's Q and first key tiles are requested before
+        this block's output is normalised and stored, so those loads' latency hides under the epilogue."""
+        n_mb = gl.cdiv(M, BLOCK_M)
+        total = n_mb * BH
+        w = gl.program_id(0)
+        if w < total:
+            pid_m, pid_bh = _work(w, n_mb, CAUSAL)
+            i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
+                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                CAUSAL, TOKEN_MAJOR)
+            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+            _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
+                         bars, q_row0, q_col0, (k_r0, k_c0, v_r0, v_c0), n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
+        while w < total:
+            w_next = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
+            pid_m, pid_bh = _work(w, n_mb, CAUSAL)
+            i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
+                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                CAUSAL, TOKEN_MAJOR)
+            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, (k_r0, k_c0, v_r0, v_c0), M, N, qk_scale, q_smem, q1_smem,
+                                           k_smem, k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
+                                           o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
+                                           CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False)
+            # Both warpgroups are past their last wait of this block: re-arm every barrier at phase 0.
+            gl.thread_barrier()
+            mbarrier.invalidate(q_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=1)
+            fence_async_shared()
+            if w_next < total:
+                nm, nbh = _work(w_next, n_mb, CAUSAL)
+                _, _, nq_row0, nq_col0, nk_r0, nk_c0, nv_r0, nv_c0 = _block_rows(
+                    nm, nbh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                    CAUSAL, TOKEN_MAJOR)
+                nn_tiles = _block_tiles(nm, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+                _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                             q_bar, bars, nq_row0, nq_col0, (nk_r0, nk_c0, nv_r0, nv_c0), nn_tiles, BLOCK_N, STAGES,
+                             D_QK0, SPLIT)
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
+                            stride_lh, o_layout, row_o, BLOCK_M, D_V)
+            w = w_next
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _flash_fwd_gluon(
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
+        qk_scale, M, N, H, HK,
+        Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+        stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+        D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
+        TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0,
+    ):
+        # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
+        # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
+        # head's longest (last) row blocks first.
+        # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
+        # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
+        # head's longest (last) row blocks first. PERSISTENT (experimental): one program an SM takes the
+        # row blocks in that same order from a counter, and starts the next block's loads before it
+        # writes the current block's output.
+        if not PERSISTENT:
+            pid_m = gl.program_id(0)
+            pid_bh = gl.program_id(1)
+            # TRACE: program (0, 0) stamps its steady loop: with causal, the head's last (longest) row block
+            tr_on = (pid_m == 0) & (pid_bh == 0)
+            if CAUSAL:
+                pid_m = gl.num_programs(0) - 1 - pid_m
+            i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
+                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                CAUSAL, TOKEN_MAJOR)
+            kv_row0 = (k_r0, k_c0, v_r0, v_c0)
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, D_V, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        dtype: gl.constexpr = q_desc.dtype
+        SPLIT: gl.constexpr = D_QK1 > 0  # Dqk = D_QK0 + D_QK1, each a power of two (TMA block shapes)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK0], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK0], k_desc.layout)
+        if SPLIT:
+            q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_QK1], q1_desc.layout)
+            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_QK1], k1_desc.layout)
+        else:
+            q1_smem = q_smem
+            k1_smem = k_smem
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        if PERSISTENT:
+            _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH,
+                             Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, stride_ob, stride_oh, stride_om, stride_lb,
+                             stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
+                             o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
+                             PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT)
+        else:
+            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+            _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
+                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
+            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem,
+                                           v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout, o_layout, p_layout,
+                                           row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL, PV_OVERLAP,
+                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE)
+            mbarrier.invalidate(q_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
+                            stride_lh, o_layout, row_o, BLOCK_M, D_V)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -422,13 +567,15 @@ def _split_head_dim(d: int):
 
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
-                    q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None):
+                    q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
+                    persistent: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
     Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``) unless
     they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are read in place through
-    [B * L, H * D] descriptors.
+    [B * L, H * D] descriptors. ``persistent`` (None: ``PERSISTENT``, off): the experimental persistent
+    schedule (not with ``trace``).
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -465,13 +612,23 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
-    grid = ((m + block_m - 1) // block_m, b * h)
+    persistent = PERSISTENT if persistent is None else persistent
+    if persistent and trace is not None:
+        raise ValueError("flash_fwd_gluon: the TRACE build stamps the non-persistent schedule; pass persistent=False")
+    n_mb = (m + block_m - 1) // block_m
+    if persistent:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        grid = (min(n_mb * b * h, sms), 1)
+        extra = {"PERSISTENT": True, "COUNTER": torch.zeros(1, dtype=torch.int32, device=q.device), "BH": b * h}
+    else:
+        grid = (n_mb, b * h)
+        extra = {}
     _flash_fwd_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
-        **({"TR": trace, "TRACE": True} if trace is not None else {}),
+        **({"TR": trace, "TRACE": True} if trace is not None else {}), **extra,
     )
     return o, lse
