@@ -46,10 +46,11 @@ GQA 8 x 32/8 x 2048 x 128.
 EXPERIMENTAL, not yet run on a GPU (``PERSISTENT``, off; ``MLA_ATTN_GLUON_PERSISTENT=1``): one program an
 SM takes row blocks in the grid's order from a counter. When a block's key loop is done it re-arms the
 barriers and requests the next block's Q and first key tiles, then normalises and stores this block's
-output, so those loads' latency hides under the epilogue. A clock64 trace (session 15) found the steady
-step at d 128 within ~10% of its own wgmma time, so the remaining gap to SDPA is per-block fixed cost:
-the serial prologue and epilogue of ~31 row blocks an SM, which weighs most at L 2048
-(``docs/benchmarks.md``). The normal build's SASS is byte-identical with the persistent code in the source.
+output, so those loads' latency hides under the epilogue. Why: a clock64 trace (session 15) puts a steady
+d 128 step at ~1800 cycles, which at 1.76-1.98 GHz (the clock was not read) is 534-603 TFLOP/s for the
+whole GPU, against 497 measured for the kernel; the rest is per-block fixed cost (the serial prologue and
+epilogue of ~31 row blocks an SM), which weighs most at L 2048 (``docs/benchmarks.md``). The normal
+build's SASS is byte-identical with the persistent code in the source.
 
 Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
