@@ -279,30 +279,29 @@ def bench_gluon(out=None):
             f.write(text)
 
 
-def bench_gluon_ws(out=None):
-    """Forward only: the experimental warp-specialised Gluon kernel (gluon_fwd_ws.py) against the Gluon
-    forward in use and SDPA, on the rows it takes (Dqk = Dv <= 128), each variant checked against SDPA."""
-    from mla_attn.ops.attention import gluon_fwd, gluon_fwd_ws
+def _bench_forward_variants(out, label, variants, takes=lambda q, k, v: True):
+    """Forward only: each variant (name, fn(q, k, v, scale) -> (o, lse)) against the Gluon forward in use and
+    SDPA on the benchmark rows that ``takes``, each checked against SDPA (a NaN rate when it differs by
+    0.05 or more). A variant that fails is reported and skipped."""
+    from mla_attn.ops.attention import gluon_fwd
 
-    lines = ["| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | ws TF/s | SDPA TF/s | Gluon (in use) TF/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | {label} TF/s | SDPA TF/s "
+             "| Gluon (in use) TF/s |", "|---|---|---|---|---|---|---|---|---|"]
     for b, hq, hkv, n, dqk, dv in ROWS:
         q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
-        if not gluon_fwd_ws.supported(q, k, v):
+        if not takes(q, k, v):
             continue
         scale = dqk ** -0.5
         flops = 2 * b * hq * n * n * (dqk + dv) / 2
         ref = _sdpa(q, k, v, scale)
         t_g = _ms(lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale))
-        for name, kw in [("bn128 s2 (default)", {}), ("bn64 s3", dict(block_n=64, stages=3)),
-                         ("bn128 s2, consumers 240 regs", dict(consumer_regs=240))]:
+        for name, fn in variants:
             try:
-                o, _ = gluon_fwd_ws.flash_fwd_ws(q, k, v, causal=True, scale=scale, **kw)
+                o, _ = fn(q, k, v, scale)
                 err = (o.float() - ref.float()).abs().max().item()
-                t, t_s = _ms_pair(lambda kw=kw: gluon_fwd_ws.flash_fwd_ws(q, k, v, causal=True, scale=scale, **kw),
-                                  lambda: _sdpa(q, k, v, scale))
+                t, t_s = _ms_pair(lambda fn=fn: fn(q, k, v, scale), lambda: _sdpa(q, k, v, scale))
             except Exception as e:  # report, go on
-                print(f"ws {name} B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"{label} {name} B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             ok = err < 0.05
             lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {name} | {err:.1e} | "
@@ -316,37 +315,24 @@ def bench_gluon_ws(out=None):
             f.write(text)
 
 
+def bench_gluon_ws(out=None):
+    """The experimental warp-specialised Gluon forward (gluon_fwd_ws.py) on the rows it takes (Dqk = Dv <= 128)."""
+    from mla_attn.ops.attention import gluon_fwd_ws
+
+    def ws(**kw):
+        return lambda q, k, v, scale: gluon_fwd_ws.flash_fwd_ws(q, k, v, causal=True, scale=scale, **kw)
+
+    _bench_forward_variants(out, "ws", [("bn128 s2 (default)", ws()), ("bn64 s3", ws(block_n=64, stages=3)),
+                                        ("bn128 s2, consumers 240 regs", ws(consumer_regs=240))],
+                            takes=gluon_fwd_ws.supported)
+
+
 def bench_gluon_persistent(out=None):
-    """Forward only: the experimental persistent schedule of the Gluon forward against the schedule in
-    use and SDPA, every benchmark row, each checked against SDPA (a NaN rate when it differs)."""
+    """The experimental persistent schedule of the Gluon forward, every benchmark row."""
     from mla_attn.ops.attention import gluon_fwd
 
-    lines = ["| B | Hq/Hkv | L | Dqk/Dv | max abs diff vs SDPA | persistent TF/s | in use TF/s | SDPA TF/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for b, hq, hkv, n, dqk, dv in ROWS:
-        q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
-        scale = dqk ** -0.5
-        flops = 2 * b * hq * n * n * (dqk + dv) / 2
-        ref = _sdpa(q, k, v, scale)
-        try:
-            o, _ = gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=True)
-            err = (o.float() - ref.float()).abs().max().item()
-            t_p, t_g = _ms_pair(lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=True),
-                                lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=False))
-            t_s = _ms(lambda: _sdpa(q, k, v, scale))
-        except Exception as e:  # report, go on
-            print(f"persistent B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        ok = err < 0.05
-        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {err:.1e} | "
-                     f"{flops / t_p / 1e9 if ok else float('nan'):.0f} | {flops / t_g / 1e9:.0f} | "
-                     f"{flops / t_s / 1e9:.0f} |")
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    text = "\n".join(lines) + "\n"
-    if out:
-        with open(out, "w") as f:
-            f.write(text)
+    _bench_forward_variants(out, "persistent", [("persistent", lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(
+        q, k, v, causal=True, scale=scale, persistent=True))])
 
 
 def main(argv=None):

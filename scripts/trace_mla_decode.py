@@ -45,6 +45,39 @@ DEDICATED_EVENTS = {0: ["tile landed", "S issued", "S done", "softmax done", "P(
                     1: ["top", "PV issued", "PV done", "loads of t+2 issued"], 2: ["top", "PV issued", "PV done"]}
 
 
+def _inputs(b, h, n, dev="cuda"):
+    """Queries, a [B, L, 576] cache, the lengths (all n) and a zeroed stamp buffer for one traced case."""
+    from mla_attn.ops.decode import gluon_mla
+
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    ql = torch.randn(b, h, 512, generator=gen).to(dev, dt)
+    qr = torch.randn(b, h, 64, generator=gen).to(dev, dt)
+    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
+    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    tr = torch.zeros(4, gluon_mla.TRACE_TILES.value, gluon_mla.TRACE_EVENTS.value, dtype=torch.int64, device=dev)
+    return ql, qr, buf, seq_lens, tr
+
+
+def _traced_case(b, h, n, splits, out_lines, title, **kw):
+    """Run one case's TRACE build (kw: the schedule) and add its heading and timings to out_lines ->
+    (the stamps on the host, the program's tiles, out_lines.append)."""
+    from mla_attn.ops.decode import gluon_mla
+
+    ql, qr, buf, seq_lens, tr = _inputs(b, h, n)
+
+    def call(trace=None):
+        return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
+                                          num_splits=splits, trace=trace, **kw)[0]
+
+    t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
+    n_tiles = -(-(-(-n // splits)) // 64)
+    add = out_lines.append
+    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, {title}: program (0, 0, 0), {n_tiles} tiles")
+    add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
+    return tr.cpu(), n_tiles, add
+
+
 def dedicated_rows(x, n_tiles, tiles, stages=2):
     """Per steady tile of the dedicated-scorer build's stamps x [4, tiles, 8] (row 0 the scorer, rows 1-2
     the P V warpgroups, the first of which issues the loads): cycle counts of each part, or [] when the
@@ -73,26 +106,9 @@ def dedicated_rows(x, n_tiles, tiles, stages=2):
 def _run_dedicated(b, h, n, splits, out_lines, dedicated):
     from mla_attn.ops.decode import gluon_mla
 
-    gen = torch.Generator().manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    ql = torch.randn(b, h, 512, generator=gen).to(dev, dt)
-    qr = torch.randn(b, h, 64, generator=gen).to(dev, dt)
-    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
-    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-    tiles, events = gluon_mla.TRACE_TILES.value, gluon_mla.TRACE_EVENTS.value
-    tr = torch.zeros(4, tiles, events, dtype=torch.int64, device=dev)
-
-    def call(trace=None):
-        return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
-                                          num_splits=splits, trace=trace, dedicated=dedicated)[0]
-
-    t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
-    x = tr.cpu()
-    n_tiles = -(-(-(-n // splits)) // 64)
-    add = out_lines.append
-    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, dedicated scorer{', Q half in registers' if dedicated == 2 else ''}"
-        f": program (0, 0, 0), {n_tiles} tiles")
-    add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
+    x, n_tiles, add = _traced_case(b, h, n, splits, out_lines, "dedicated scorer"
+                                   + (", Q half in registers" if dedicated == 2 else ""), dedicated=dedicated)
+    tiles = gluon_mla.TRACE_TILES.value
     pro = x[3]
     t0 = int(pro[1, 0])
     add("prologue / epilogue, cycles from the loading warpgroup's start: "
@@ -120,26 +136,10 @@ def _run_dedicated(b, h, n, splits, out_lines, dedicated):
 def _run(b, h, n, splits, out_lines, pv_first=0):
     from mla_attn.ops.decode import gluon_mla
 
-    gen = torch.Generator().manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    ql = torch.randn(b, h, 512, generator=gen).to(dev, dt)
-    qr = torch.randn(b, h, 64, generator=gen).to(dev, dt)
-    buf = torch.randn(b, n, 576, generator=gen).to(dev, dt)
-    seq_lens = torch.full((b,), n, dtype=torch.int32, device=dev)
-    tiles, events = gluon_mla.TRACE_TILES.value, gluon_mla.TRACE_EVENTS.value
-    tr = torch.zeros(4, tiles, events, dtype=torch.int64, device=dev)
-
-    def call(trace=None):
-        return gluon_mla.mla_decode_gluon(ql, qr, buf[..., :512], buf[..., 512:], seq_lens, None, 192 ** -0.5,
-                                          num_splits=splits, trace=trace, pv_first=pv_first, dedicated=0)[0]
-
-    t_plain, t_trace = (t * 1e3 for t in run_traced(call, tr))
-    x = tr.cpu()
-    n_tiles = -(-(-(-n // splits)) // 64)
-    add = out_lines.append
-    add(f"\n## B {b}, H {h}, L {n}, splits {splits}, {['S first', 'P V first', 'P V first, waited'][int(pv_first)]}: program (0, 0, 0), "
-        f"{n_tiles} tiles")
-    add(f"eager call: normal build {t_plain:.1f} us, TRACE build {t_trace:.1f} us (includes the host launch)")
+    x, n_tiles, add = _traced_case(b, h, n, splits, out_lines,
+                                   ["S first", "P V first", "P V first, waited"][int(pv_first)], pv_first=pv_first,
+                                   dedicated=0)
+    tiles = gluon_mla.TRACE_TILES.value
     pro = x[3]
     t0 = int(pro[2, 0])
     add("prologue / epilogue, cycles from the producer's start: "

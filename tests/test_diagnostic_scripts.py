@@ -115,12 +115,9 @@ def test_flash_trace_medians(monkeypatch):
     assert parts == {"barrier": 300, "S issue": 600, "softmax": 600, "P V wait": 200, "S wait": 500}
 
 
-def test_dedicated_trace_rows():
-    """The dedicated-scorer trace's per-tile parts, from synthetic stamps with a known schedule: a
-    4000-cycle period, S issued 100 after the tile lands and done 2800 later, and so on."""
-    import trace_mla_decode as trace
-
-    tiles, n_tiles = 64, 12
+def _dedicated_stamps(n_tiles, tiles=64):
+    """Synthetic stamps of the dedicated-scorer build with a known schedule: a 4000-cycle period, S issued
+    100 after the tile lands and done 2800 later, and so on (the expected parts: DEDICATED_WANT)."""
     x = torch.zeros(4, tiles, 8, dtype=torch.int64)
     for t in range(n_tiles):
         b = 10_000 + 4000 * t  # tile t lands for the scorer
@@ -131,10 +128,40 @@ def test_dedicated_trace_rows():
             x[w, t, 1] = pub + start
             x[w, t, 2] = pub + start + dur
         x[1, t, 3] = pub + 250 + 1100 + 30  # loads of t + 2, 30 after both P V are done
-    rows = trace.dedicated_rows(x, n_tiles, tiles)
+    x[3, :3, 0] = torch.tensor([9_000, 8_000, 9_100])  # starts: scorer, P V 0, P V 1
+    return x
+
+
+DEDICATED_WANT = dict(period=4000, scorer_wait_data=0, s_issue=100, s_wait=2800, softmax=900, pfree_wait=50,
+                      publish=450, pv0_start=200, pv1_start=250, pv0=1000, pv1=1100, refill=30,
+                      tma=8000 - 4300 - 1380)
+
+
+def test_dedicated_trace_rows():
+    """The dedicated-scorer trace's per-tile parts, from synthetic stamps with a known schedule."""
+    import trace_mla_decode as trace
+
+    n_tiles = 12
+    rows = trace.dedicated_rows(_dedicated_stamps(n_tiles), n_tiles, 64)
     assert len(rows) == n_tiles - 1 - 1 - 3
-    want = dict(period=4000, scorer_wait_data=0, s_issue=100, s_wait=2800, softmax=900, pfree_wait=50, publish=450,
-                pv0_start=200, pv1_start=250, pv0=1000, pv1=1100, refill=30, tma=8000 - 4300 - 1380)
     for r in rows:
-        assert r == want
-    assert trace.dedicated_rows(x, 6, tiles) == []  # too few tiles for a steady state
+        assert r == DEDICATED_WANT
+    assert trace.dedicated_rows(_dedicated_stamps(6), 6, 64) == []  # too few tiles for a steady state
+
+
+@pytest.mark.skipif(not __import__("mla_attn.ops.decode.gluon_mla", fromlist=["AVAILABLE"]).AVAILABLE,
+                    reason="needs Triton's Gluon (for the TRACE buffer's shape)")
+def test_dedicated_trace_report(monkeypatch):
+    """The dedicated case's report: the prologue line from the loading warpgroup's start, every part's
+    median, and a timeline, from the synthetic stamps (the traced run stubbed out)."""
+    import trace_mla_decode as trace
+
+    lines = []
+    monkeypatch.setattr(trace, "_traced_case", lambda b, h, n, splits, out, title, **kw: (
+        _dedicated_stamps(12), 12, out.append))
+    trace._run_dedicated(66, 128, 768, 1, lines, 1)
+    text = "\n".join(lines)
+    assert "scorer start 1000" in text and "P V 1 start 1100" in text and "tile 0 landed 2000" in text
+    for k, v in DEDICATED_WANT.items():
+        assert any(line.split() == [k, str(v)] for line in lines), k
+    assert "timeline of up to 4 steady tiles" in text and "pv1 t7 PV done" in text

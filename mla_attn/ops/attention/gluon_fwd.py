@@ -380,13 +380,19 @@ if AVAILABLE:
         gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
 
     @gluon.jit
-    def _work(w, n_mb, CAUSAL: gl.constexpr):
-        """Work item w -> (row block, batch x head) in the non-persistent grid's launch order."""
+    def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+        """Work item w, numbered in the non-persistent grid's launch order -> (row block, i_b, i_h, Q's first
+        row and column, (K's first row and column, V's first row and column), key tiles)."""
         pid_bh = w // n_mb
         pid_m = w % n_mb
         if CAUSAL:
             pid_m = n_mb - 1 - pid_m
-        return pid_m, pid_bh
+        i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
+            pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL,
+            TOKEN_MAJOR)
+        return pid_m, i_b, i_h, q_row0, q_col0, (k_r0, k_c0, v_r0, v_c0), _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N,
+                                                                                      CAUSAL)
 
     @gluon.jit
     def _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH, Q_CH,
@@ -406,24 +412,18 @@ if AVAILABLE:
         total = n_mb * BH
         w = gl.program_id(0)
         if w < total:
-            pid_m, pid_bh = _work(w, n_mb, CAUSAL)
-            i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
-                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
-                CAUSAL, TOKEN_MAJOR)
-            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+            _, _, _, q_row0, q_col0, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+                                                              V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
-                         bars, q_row0, q_col0, (k_r0, k_c0, v_r0, v_c0), n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
+                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
         while w < total:
             w_next = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
-            pid_m, pid_bh = _work(w, n_mb, CAUSAL)
-            i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
-                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
-                CAUSAL, TOKEN_MAJOR)
-            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
-            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, (k_r0, k_c0, v_r0, v_c0), M, N, qk_scale, q_smem, q1_smem,
-                                           k_smem, k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
-                                           o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
-                                           CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False)
+            pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+                                                            V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
+            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
+                                                k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
+                                                o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
+                                                CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False)
             # Both warpgroups are past their last wait of this block: re-arm every barrier at phase 0.
             gl.thread_barrier()
             mbarrier.invalidate(q_bar)
@@ -434,14 +434,11 @@ if AVAILABLE:
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
             if w_next < total:
-                nm, nbh = _work(w_next, n_mb, CAUSAL)
-                _, _, nq_row0, nq_col0, nk_r0, nk_c0, nv_r0, nv_c0 = _block_rows(
-                    nm, nbh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
+                    w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
                     CAUSAL, TOKEN_MAJOR)
-                nn_tiles = _block_tiles(nm, M, N, BLOCK_M, BLOCK_N, CAUSAL)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                             q_bar, bars, nq_row0, nq_col0, (nk_r0, nk_c0, nv_r0, nv_c0), nn_tiles, BLOCK_N, STAGES,
-                             D_QK0, SPLIT)
+                             q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
             _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
                             stride_lh, o_layout, row_o, BLOCK_M, D_V)
             w = w_next
