@@ -73,7 +73,7 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ] || [ "$part" 
     step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
     export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
     status=0  # the persistent Gluon forward (experimental, not routed): reported, does not fail the check
-    step "gluon forward tests, persistent schedule (experimental)" "$(lim 90)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k experimental 2>&1 | tee '$out/gpu_gluon_persistent.log' | tail -6; exit \${PIPESTATUS[0]}"
+    step "gluon forward tests, persistent schedule (experimental)" "$(lim 150)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k experimental 2>&1 | tee '$out/gpu_gluon_persistent.log' | tail -6; exit \${PIPESTATUS[0]}"
     persistent_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
   fi
   [ "$mla_ok" = 1 ] || export MLA_ATTN_BENCH_S_ONCE=0
