@@ -55,7 +55,7 @@ def _schedules():
     tests failed)."""
     out = [(True, 1, 1), (True, 1, 0), (True, 0, 0), (False, 0, 0)]
     if os.environ.get("MLA_ATTN_PROBE_EXPERIMENTAL", "1") != "0":
-        out += [(True, 2, 0), (True, 1, 2)]
+        out += [(True, 2, 0), (True, 1, 2), (True, 1, 3)]
     return out
 
 
@@ -63,7 +63,7 @@ def _schedule_name(s_once, pv_first, dedicated):
     if not s_once:
         return "scores twice"
     if dedicated:
-        return "S once, dedicated scorer" + (", Q half in registers" if dedicated == 2 else "")
+        return "S once, dedicated scorer" + {1: "", 2: ", Q half in registers", 3: ", S issued early"}[dedicated]
     return ["S once, S first", "S once, PV first", "S once, PV first, waited"][pv_first]
 
 

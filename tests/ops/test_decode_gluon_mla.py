@@ -134,15 +134,16 @@ def test_gluon_mla_cuda_graph_replay(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
 @pytest.mark.parametrize("s_once,pv_first,dedicated", [(True, 0, 0), (True, 1, 0), (True, 2, 0), (True, 1, 1),
-                                                       (True, 1, 2), (False, 0, 0)],
+                                                       (True, 1, 2), (True, 1, 3), (False, 0, 0)],
                          ids=["s_once", "s_once_pv_first", "s_once_pv_first_waited_experimental",
                               "s_once_dedicated_scorer", "s_once_dedicated_scorer_qa_regs_experimental",
-                              "scores_twice"])
+                              "s_once_dedicated_scorer_early_s_experimental", "scores_twice"])
 @pytest.mark.parametrize("page,splits", [(None, 1), (64, 3), (128, None)], ids=lambda x: str(x))
 def test_gluon_mla_schedules(page, splits, s_once, pv_first, dedicated, monkeypatch):
     """The consumer schedules, each forced: scores once per tile (S_ONCE, the default), with the scorer's
     P V after S, before S (PV_FIRST 1, the default) or before S and waited for (2), or by a dedicated
-    scorer warpgroup (DEDICATED 1, the default; 2 with half of Q in its registers), and scores twice (the first version). The same oracle checks
+    scorer warpgroup (DEDICATED 1, the default; 2 with half of Q in its registers; 3 issuing S_{t+1} before
+    the softmax of tile t), and scores twice (the first version). The same oracle checks
     as through the op (lengths around the tiles, NaN in unused slots, splits, paged)."""
     monkeypatch.setattr(gm, "S_ONCE", s_once)
     monkeypatch.setattr(gm, "PV_FIRST", pv_first)

@@ -83,7 +83,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+                                                                   warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .._gluon_trace import stamp as _trace_stamp
@@ -116,7 +116,10 @@ PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first,
 # against 44.4 us a step (graph). On by default; MLA_ATTN_GLUON_MLA_DEDICATED=0 turns it off. 2 also holds
 # Q's latent columns 0-255 in the scorer's registers (64 a thread) as the A operand of that part of S, so
 # S reads 40 KB of Q from shared memory a tile instead of 72: 2.285 us, no gain. PV_FIRST 2 (waited):
-# 2.800 us, slower than 1. Both passed their GPU tests.
+# 2.800 us, slower than 1. Both passed their GPU tests. 3 (EXPERIMENTAL, not yet run on a GPU): the scorer
+# issues S_{t+1} as soon as S_t is done, so it runs under the softmax and publish of tile t (``_scorer_sd``'s
+# EARLY_S; sm_90a: 168 registers, no spills, the S_{t+1} wgmmas issued between the two halves of tile t's
+# softmax with no wait before its exponentials).
 DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
@@ -525,7 +528,12 @@ if AVAILABLE:
     @gluon.jit
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
                    qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr, TR=None,
-                   tr_on=False, TRACE: gl.constexpr = False):
+                   tr_on=False, TRACE: gl.constexpr = False, EARLY_S: gl.constexpr = False):
+        # EARLY_S (DEDICATED = 3, EXPERIMENTAL, not yet run on a GPU): S_{t+1} is issued as soon as S_t is
+        # done and tile t + 1 has landed, so it runs on the tensor cores under the softmax and publish of
+        # tile t (two score register sets; nothing is in flight at the loop's back edge). The scorer owns
+        # no accumulator that a P V touches, so no rescale forces a wait on it (the alternating scorers'
+        # C7517). Tile t + 1's stage is refilled only after P_{t+1} V_{t+1}, which follows S_{t+1}'s end.
         # TRACE (scripts/trace_mla_decode.py): row 0, tile t: 0 tile landed, 1 S issued, 2 S done, 3 softmax
         # done, 4 P_{t-1} free, 5 P_t published; row 3 slot 0: 0 start, 1 Q landed, 2 loop done, 3 lse stored
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -545,7 +553,23 @@ if AVAILABLE:
             q_a = qa.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q_a = qa
-        for t in range(n_tiles):
+        if EARLY_S:
+            if n_tiles > 0:
+                mbarrier.wait(ready.index(0), 0)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_a, qb, qr, ka, kb, kr, 0, s_zero),))
+                for t in range(n_tiles):
+                    nxt = t + 1
+                    if nxt < n_tiles:
+                        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                        s_next = _scores(q_a, qb, qr, ka, kb, kr, nxt % STAGES, s_zero)
+                    else:
+                        s_next = warpgroup_mma_init(s_zero)  # the last tile: nothing to issue
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, t, n_tiles, length, o_n, qk_scale, dtype)
+                    if t > 0:
+                        mbarrier.wait(p_free, (t - 1) & 1)  # both P V warpgroups are done with P_{t-1}
+                    _publish_s1(p, m_i, l_i, alpha, t, p_smem, m_smem, l_smem, a_smem, p_ready)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+        for t in range(0 if EARLY_S else n_tiles):
             st = t % STAGES
             mbarrier.wait(ready.index(st), (t // STAGES) & 1)
             if TRACE:
@@ -683,7 +707,8 @@ if AVAILABLE:
             # (the partitions' arguments are written out: a tuple variable would turn the constexprs into ints)
             gl.warp_specialize([
                 (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
-                              LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2, TR, tr_on, TRACE)),
+                              LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2, TR, tr_on, TRACE,
+                              DEDICATED == 3)),
                 (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
                            o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
