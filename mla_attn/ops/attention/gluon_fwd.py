@@ -82,7 +82,8 @@ _LOG2E = 1.4426950408889634
 # EXPERIMENTAL, not yet run on a GPU: one program an SM that takes row blocks from a counter and requests the
 # next block's loads before writing the current block's output (``_persistent_loop``). sm_90a, Triton 3.6:
 # 255 registers; no spills at d 128 causal, 92 bytes at 192/128 and 180 at d 128 non-causal (the normal
-# build: 208-226, none). MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
+# build: 208-226, none). At d 128 causal the steady two-tile loop body is 666 SASS instructions against the
+# normal build's 663, with the same 24 wgmmas, 68 MUFU and 2 moves. MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
 PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
 
 if AVAILABLE:
