@@ -365,15 +365,17 @@ if AVAILABLE:
         return acc, m_i, l_i, o_m
 
     @gluon.jit
-    def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
                         D_V: gl.constexpr):
+        """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
+        same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py)."""
         # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
         o = acc * inv[:, None]
-        o_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+        o_mo = row0 + gl.arange(0, ROWS, layout=row_o)
         o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
         p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh + o_mo.to(gl.int64)[:, None] * stride_om
                + o_d[None, :])
@@ -440,7 +442,7 @@ if AVAILABLE:
                     CAUSAL, TOKEN_MAJOR)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                              q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om, stride_lb,
                             stride_lh, o_layout, row_o, BLOCK_M, D_V)
             w = w_next
         mbarrier.invalidate(q_bar)
@@ -519,7 +521,7 @@ if AVAILABLE:
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m, M, stride_ob, stride_oh, stride_om, stride_lb,
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om, stride_lb,
                             stride_lh, o_layout, row_o, BLOCK_M, D_V)
 
 

@@ -34,6 +34,8 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_fwd import _block_epilogue
     AVAILABLE = hasattr(gl, "warp_specialize")
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -157,16 +159,8 @@ if AVAILABLE:
             mbarrier.arrive(turn.index(1 - WG), count=1)
             mbarrier.arrive(empty.index(st), count=1)
 
-        dead = l_i == 0.0
-        lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
-        inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
-        o = acc * inv[:, None]
-        o_mo = r0 + gl.arange(0, 64, layout=row_o)
-        o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-        p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh + o_mo.to(gl.int64)[:, None] * stride_om
-               + o_d[None, :])
-        gl.store(p_o, o.to(O.dtype.element_ty), mask=(o_mo < M)[:, None])
-        gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
+        _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, r0, M, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, o_layout, row_o, 64, D_V)
 
     @gluon.jit
     def _consumer1(q_smem, k_smem, v_smem, q_bars, ready, empty, turn, O, LSE, qk_scale, M, N, pid_m, pid_bh, i_b,
