@@ -62,6 +62,7 @@ Everything else stays on the Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -525,6 +526,12 @@ if AVAILABLE:
                             stride_lh, o_layout, row_o, BLOCK_M, D_V)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count, looked up once (the launcher's host path)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`flash_fwd_gluon` takes these inputs (else use the Triton kernel)."""
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -618,8 +625,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         raise ValueError("flash_fwd_gluon: the TRACE build stamps the non-persistent schedule; pass persistent=False")
     n_mb = (m + block_m - 1) // block_m
     if persistent:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        grid = (min(n_mb * b * h, sms), 1)
+        grid = (min(n_mb * b * h, _num_sms(q.device)), 1)
         extra = {"PERSISTENT": True, "COUNTER": torch.zeros(1, dtype=torch.int32, device=q.device), "BH": b * h}
     else:
         grid = (n_mb, b * h)
