@@ -84,6 +84,7 @@ def main():
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
                          "the scorer's registers (use --consumer-regs 168)")
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
+    ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
@@ -132,6 +133,11 @@ def main():
             const["PERSISTENT"] = True
         else:
             const.update(COUNTER=None, PERSISTENT=False)
+        if args.block_trace:  # the block-timeline stamps (scripts/trace_flash_blocks.py)
+            ptrs["BT"] = "*i64"
+            const["BLOCK_TRACE"] = True
+        else:
+            const.update(BT=None, BLOCK_TRACE=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
         from triton.experimental.gluon import language as gl

@@ -165,3 +165,35 @@ def test_dedicated_trace_report(monkeypatch):
     for k, v in DEDICATED_WANT.items():
         assert any(line.split() == [k, str(v)] for line in lines), k
     assert "timeline of up to 4 steady tiles" in text and "pv1 t7 PV done" in text
+
+
+def test_flash_block_timeline_analysis():
+    """Two SMs run eight row blocks back to back at 2 GHz: key loop 5000 + 1800 x tiles cycles, epilogue
+    3000, 1000 cycles between blocks, and SM 1 starts 500 cycles late. The report must find those."""
+    import trace_flash_blocks as tfb
+
+    n_mb, ghz = 4, 2.0
+
+    def tiles_of(g):
+        return 2 * (n_mb - g)
+
+    x = torch.zeros(8, 9, dtype=torch.int64)
+    clock = {0: 10_000, 1: 10_500}
+    for i in range(8):
+        sm = i % 2
+        c0 = clock[sm]
+        c1 = c0 + 5000 + 1800 * tiles_of(i % n_mb)
+        c2 = c1 + 3000
+        clock[sm] = c2 + 1000
+        for k, c in enumerate((c0, c1, c2)):
+            x[i, 3 * k:3 * k + 3] = torch.tensor([int(c / ghz), c, sm])
+    text = "\n".join(tfb.analyse(x, n_mb, tiles_of))
+    assert "2.000 GHz" in text and "4.0 a SM" in text
+    assert "5000 +   1800 x tiles" in text
+    assert "epilogue              3000" in text and "gap to next block     1000" in text
+    rest = [ln for ln in text.splitlines() if ln.strip().startswith("rest")][0]
+    assert abs(float(rest.split()[1].rstrip("%"))) < 0.5, text  # every cycle accounted for
+    assert tfb.block_tiles(0, 2048, 2048, 128, 64, True) == 2 and tfb.block_tiles(15, 2048, 2048, 128, 64, True) == 32
+    x[3, 6] = 0
+    with pytest.raises(ValueError, match="program 3"):
+        tfb.analyse(x, n_mb, tiles_of)

@@ -25,3 +25,18 @@ if AVAILABLE:
                                         pack=1)
         if on & (t < TILES):
             gl.store(TR + slot, clk)
+
+    @gluon.jit
+    def block_stamp(BT, base, k):
+        """Block-timeline builds: ``BT[base + k .. base + k + 2]`` = this SM's ``%globaltimer`` (ns),
+        ``%clock64`` and ``%smid``. A program stamps three times (entry, key loop done, output stored), so
+        the reader gets each block's length in cycles, the SM clock (cycles per ns) and which blocks ran
+        back to back on one SM (scripts/trace_flash_blocks.py)."""
+        ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [base], dtype=gl.int64, is_pure=False,
+                                       pack=1)
+        clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [base], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [base], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(BT + base + k, ns)
+        gl.store(BT + base + k + 1, clk)
+        gl.store(BT + base + k + 2, sm.to(gl.int64))

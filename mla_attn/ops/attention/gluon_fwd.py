@@ -74,6 +74,7 @@ try:  # Gluon is experimental: absent from older Triton, and its API moves betwe
                                                                    warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from .._gluon_trace import block_stamp as _block_stamp
     from .._gluon_trace import stamp as _trace_stamp
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -459,11 +460,8 @@ if AVAILABLE:
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-        PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0,
+        PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
     ):
-        # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
-        # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
-        # head's longest (last) row blocks first.
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
         # head's longest (last) row blocks first. PERSISTENT (experimental): one program an SM takes the
@@ -472,6 +470,9 @@ if AVAILABLE:
         if not PERSISTENT:
             pid_m = gl.program_id(0)
             pid_bh = gl.program_id(1)
+            if BLOCK_TRACE:  # program (pid_m, pid_bh) stamps BT[launch index, 0:9]: entry, key loop done, stored
+                bt = (pid_bh * gl.num_programs(0) + pid_m) * 9
+                _block_stamp(BT, bt, 0)
             # TRACE: program (0, 0) stamps its steady loop: with causal, the head's last (longest) row block
             tr_on = (pid_m == 0) & (pid_bh == 0)
             if CAUSAL:
@@ -519,11 +520,15 @@ if AVAILABLE:
                                            v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout, o_layout, p_layout,
                                            row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL, PV_OVERLAP,
                                            Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE)
+            if BLOCK_TRACE:
+                _block_stamp(BT, bt, 3)
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
             _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om, stride_lb,
                             stride_lh, o_layout, row_o, BLOCK_M, D_V)
+            if BLOCK_TRACE:
+                _block_stamp(BT, bt, 6)
 
 
 @functools.lru_cache(maxsize=None)
@@ -576,14 +581,15 @@ def _split_head_dim(d: int):
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
-                    persistent: bool | None = None):
+                    persistent: bool | None = None, block_trace: torch.Tensor | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
     Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``) unless
     they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are read in place through
     [B * L, H * D] descriptors. ``persistent`` (None: ``PERSISTENT``, off): the experimental persistent
-    schedule (not with ``trace``).
+    schedule (not with ``trace``). ``block_trace``: an int64 [row blocks x B x H, 9] buffer for the
+    block-timeline build (see ``_gluon_trace.block_stamp``; non-persistent only).
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -621,9 +627,12 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
     persistent = PERSISTENT if persistent is None else persistent
-    if persistent and trace is not None:
-        raise ValueError("flash_fwd_gluon: the TRACE build stamps the non-persistent schedule; pass persistent=False")
+    if persistent and (trace is not None or block_trace is not None):
+        raise ValueError("flash_fwd_gluon: the TRACE builds stamp the non-persistent schedule; pass persistent=False")
     n_mb = (m + block_m - 1) // block_m
+    if block_trace is not None and (block_trace.dtype != torch.int64 or block_trace.numel() < n_mb * b * h * 9):
+        raise ValueError(f"flash_fwd_gluon: block_trace must be int64 with at least {n_mb * b * h * 9} elements, "
+                         f"got {block_trace.dtype} {tuple(block_trace.shape)}")
     if persistent:
         grid = (min(n_mb * b * h, _num_sms(q.device)), 1)
         extra = {"PERSISTENT": True, "COUNTER": torch.zeros(1, dtype=torch.int32, device=q.device), "BH": b * h}
@@ -636,6 +645,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
-        **({"TR": trace, "TRACE": True} if trace is not None else {}), **extra,
+        **({"TR": trace, "TRACE": True} if trace is not None else {}),
+        **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra,
     )
     return o, lse
