@@ -84,6 +84,7 @@ def main():
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
                          "the scorer's registers (use --consumer-regs 168)")
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
+    ap.add_argument("--tma-store", action="store_true", help="gluon: TMA_STORE (O out through Q's shared memory by TMA)")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
@@ -133,6 +134,11 @@ def main():
             const["PERSISTENT"] = True
         else:
             const.update(COUNTER=None, PERSISTENT=False)
+        if args.tma_store:  # the output stored by TMA through Q's buffer
+            ptrs["o_desc"] = desc(a, args.dv)
+            const["TMA_STORE"] = True
+        else:
+            const.update(o_desc=None, TMA_STORE=False)
         if args.block_trace:  # the block-timeline stamps (scripts/trace_flash_blocks.py)
             ptrs["BT"] = "*i64"
             const["BLOCK_TRACE"] = True

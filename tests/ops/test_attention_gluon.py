@@ -85,6 +85,44 @@ def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, overlap, token_major", [
+    (CASES[0], True, False),    # M 1023: whole blocks by TMA, the partial last one stored directly
+    (CASES[1], True, False),    # non-causal GQA
+    (CASES[2], True, False),    # M 2048: every block by TMA
+    (CASES[2], False, False),   # the plain schedule
+    (CASES[3], True, False),    # d 64, one partial block
+    (CASES[6], False, False),   # d 256
+    (CASES[8], True, False),    # 192/128: O through Q's 128-wide half
+    (CASES[10], True, True),    # 192/128 token-major inputs (o is always [B, H, M, Dv])
+], ids=lambda x: x if isinstance(x, bool) else "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
+    *x[:7], "causal" if x[7] else "full"))
+def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_major, monkeypatch):
+    """The output stored by TMA through Q's shared-memory buffer (TMA_STORE) is bit for bit the output
+    stored from registers, into NaN-poisoned buffers: same o, same lse, every element written."""
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    gen = torch.Generator().manual_seed(7)
+    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
+    if token_major:  # [B, L, H, D] seen through transpose(1, 2)
+        q, k, v = (torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+                   for h, L, d in dims)
+    else:
+        q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
+    from mla_attn.ops.attention import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
+                                                                                     device=device, dtype=dtype))
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(gluon_fwd, "TMA_STORE", on)
+        outs.append(gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5, pv_overlap=overlap,
+                                              token_major=token_major))
+    (o1, lse1), (o2, lse2) = outs
+    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
 def test_gluon_forward_edge_inputs():
     """No keys (N = 0), no rows (M = 0), and inputs whose storage starts off a 16-byte boundary (TMA)."""
     q = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.bfloat16)

@@ -87,6 +87,9 @@ _LOG2E = 1.4426950408889634
 # build: 208-226, none). At d 128 causal the steady two-tile loop body is 666 SASS instructions against the
 # normal build's 663, with the same 24 wgmmas, 68 MUFU and 2 moves. MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
 PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
+# The output stored by TMA through Q's shared-memory buffer (see _block_epilogue); MLA_ATTN_GLUON_TMA_STORE=0
+# keeps the direct stores. NOT YET RUN ON A GPU.
+TMA_STORE = os.environ.get("MLA_ATTN_GLUON_TMA_STORE", "1") == "1"
 
 if AVAILABLE:
     TRACE_TILES = gl.constexpr(128)  # TRACE builds' stamp buffer: [1, TRACE_TILES, TRACE_EVENTS] int64
@@ -367,22 +370,46 @@ if AVAILABLE:
         return acc, m_i, l_i, o_m
 
     @gluon.jit
-    def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
-                        stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
-                        D_V: gl.constexpr):
-        """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
-        same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py)."""
-        # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
-        dead = l_i == 0.0
-        lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
-        inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
-        o = acc * inv[:, None]
+    def _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout: gl.constexpr,
+                    row_o: gl.constexpr, ROWS: gl.constexpr, D_V: gl.constexpr):
+        """Rows row0 .. row0 + ROWS of o (in the accumulator's layout) stored straight from registers, rows >= M
+        left out."""
         o_mo = row0 + gl.arange(0, ROWS, layout=row_o)
         o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
         p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh + o_mo.to(gl.int64)[:, None] * stride_om
                + o_d[None, :])
-        gl.store(p_o, o.to(O.dtype.element_ty), mask=(o_mo < M)[:, None])
+        gl.store(p_o, o, mask=(o_mo < M)[:, None])
+
+    @gluon.jit
+    def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
+                        stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
+                        D_V: gl.constexpr, o_desc=None, o_smem=None, H=0, TMA_STORE: gl.constexpr = False):
+        """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
+        same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py).
+
+        TMA_STORE (o contiguous, o_desc over it as [B * H * M, D_V]; o_smem a free [ROWS, D_V] buffer in
+        o_desc's layout): a block whose rows all lie below M goes registers -> shared memory -> one TMA
+        store, instead of 4-byte stores scattered by the accumulator layout (those took ~4500 cycles a
+        block on the H200, 7-12% of the forward: scripts/trace_flash_blocks.py). The TMA store is waited
+        for (its shared-memory read) before the function returns. A partial last block stores directly."""
+        # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
+        dead = l_i == 0.0
+        lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
+        o = (acc * inv[:, None]).to(O.dtype.element_ty)
+        if TMA_STORE:
+            if row0 + ROWS <= M:
+                o_smem.store(o)
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
+            else:
+                _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
+        else:
+            _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
         gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
     def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M: gl.constexpr,
@@ -461,6 +488,7 @@ if AVAILABLE:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
+        o_desc=None, TMA_STORE: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -525,8 +553,10 @@ if AVAILABLE:
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, o_layout, row_o, BLOCK_M, D_V)
+            # TMA_STORE: O goes out through q_smem (D_QK0 == D_V: same shape and layout), free once the last
+            # score wgmma is done; each warpgroup writes only the 64 rows its own wgmmas read.
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om,
+                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, q_smem, H, TMA_STORE)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 6)
 
@@ -627,6 +657,13 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
     persistent = PERSISTENT if persistent is None else persistent
+    # The output leaves through Q's shared-memory buffer by TMA where that buffer has O's block shape (the
+    # persistent schedule has the next block's Q in it by then).
+    tma_store = TMA_STORE and d0 == d_v and not persistent and o.is_contiguous()
+    if tma_store:
+        extra_o = {"o_desc": desc(o.view(b * h * m, d_v), block_m, d_v), "TMA_STORE": True}
+    else:
+        extra_o = {}
     if persistent and (trace is not None or block_trace is not None):
         raise ValueError("flash_fwd_gluon: the TRACE builds stamp the non-persistent schedule; pass persistent=False")
     n_mb = (m + block_m - 1) // block_m
@@ -646,6 +683,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
-        **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra,
+        **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
     )
     return o, lse
