@@ -105,9 +105,14 @@ if [ "$part" = all ] || [ "$part" = probe ]; then
     step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
   fi
   step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
+  step "block timeline of the gluon forward" "$(lim 60)" $PY scripts/trace_flash_blocks.py "$out/trace_flash_blocks.txt"
   if [ "${persistent_ok:-0}" = 1 ]; then
     step "bench gluon forward, persistent schedule (experimental)" "$(lim 90)" $PY scripts/bench_attention.py --gluon-persistent "$out/bench_gluon_persistent.md"
   fi
+fi
+# The device tool brings back at most 8 files: past that, the logs travel as one archive.
+if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$out" && tar -cf logs.tar ./*.log && rm -f ./*.log)
 fi
 echo "gpu_check status: $status"
 exit $status
