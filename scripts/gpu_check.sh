@@ -4,6 +4,7 @@
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 traces
+#   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
 set -uo pipefail
@@ -67,7 +68,7 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ] || [ "$part" 
   status=0
   step "gluon MLA decode tests" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k 'not experimental' 2>&1 | tee '$out/gpu_gluon_mla_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
   mla_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
-  if [ "$part" != bench ]; then
+  if [ "$part" != bench ] && [ "${SKIP_EXPERIMENTAL:-0}" != 1 ]; then
     # not-yet-timed schedule orders (tests named *experimental*): reported, they do not fail the check
     status=0
     step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
