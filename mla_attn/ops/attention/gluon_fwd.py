@@ -43,14 +43,21 @@ Triton forward in the same run (d45e3df, scripts/bench_attention.py --gluon, doc
 +4% at 4 x 32 x 4096 x 128, +9% at 2 x 16 x 8192 x 192/128, +7% at 4 x 128 x 2048 x 192/128, +4% at
 GQA 8 x 32/8 x 2048 x 128.
 
-EXPERIMENTAL, not yet run on a GPU (``PERSISTENT``, off; ``MLA_ATTN_GLUON_PERSISTENT=1``): one program an
+EXPERIMENTAL (``PERSISTENT``, off; ``MLA_ATTN_GLUON_PERSISTENT=1``): one program an
 SM takes row blocks in the grid's order from a counter. When a block's key loop is done it re-arms the
 barriers and requests the next block's Q and first key tiles, then normalises and stores this block's
 output, so those loads' latency hides under the epilogue. Why: a clock64 trace (session 15) puts a steady
 d 128 step at ~1800 cycles, which at 1.76-1.98 GHz (the clock was not read) is 534-603 TFLOP/s for the
 whole GPU, against 497 measured for the kernel; the rest is per-block fixed cost (the serial prologue and
 epilogue of ~31 row blocks an SM), which weighs most at L 2048 (``docs/benchmarks.md``). The normal
-build's SASS is byte-identical with the persistent code in the source.
+build's SASS is byte-identical with the persistent code in the source. On the H200 (c97a5b7) it is
+correct but 6-12% slower than the normal grid on all four benchmark rows (438 against 473 TFLOP/s at
+4 x 32 x 4096 x 128); why is not known yet (its block timeline is not stamped).
+
+The output leaves by TMA (``TMA_STORE``, on): registers -> Q's shared-memory buffer -> one TMA store a
+block. A block-timeline build (``block_trace=``, scripts/trace_flash_blocks.py; session 16) had found the
+direct stores from the accumulator layout taking ~4500 cycles a block, 7-12% of the kernel; through TMA
+the epilogue takes ~2100, and the forward gained 5-8% (H200, 5fb5556).
 
 Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
@@ -81,14 +88,15 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
-# EXPERIMENTAL, not yet run on a GPU: one program an SM that takes row blocks from a counter and requests the
-# next block's loads before writing the current block's output (``_persistent_loop``). sm_90a, Triton 3.6:
+# EXPERIMENTAL (correct on the H200, 6-12% slower): one program an SM that takes row blocks from a counter and
+# requests the next block's loads before writing the current block's output (``_persistent_loop``). sm_90a, Triton 3.6:
 # 255 registers; no spills at d 128 causal, 92 bytes at 192/128 and 180 at d 128 non-causal (the normal
 # build: 208-226, none). At d 128 causal the steady two-tile loop body is 666 SASS instructions against the
 # normal build's 663, with the same 24 wgmmas, 68 MUFU and 2 moves. MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
 PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
 # The output stored by TMA through Q's shared-memory buffer (see _block_epilogue); MLA_ATTN_GLUON_TMA_STORE=0
-# keeps the direct stores. NOT YET RUN ON A GPU.
+# keeps the direct stores. H200 (5fb5556): bit for bit the direct stores' output; epilogue ~4500 -> ~2100
+# cycles a block; 418 -> 446 TFLOP/s at GQA 8 x 32/8 x 2048, 492 -> 517 at 4 x 32 x 4096 x 128.
 TMA_STORE = os.environ.get("MLA_ATTN_GLUON_TMA_STORE", "1") == "1"
 
 if AVAILABLE:
@@ -435,8 +443,8 @@ if AVAILABLE:
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr,
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr):
-        """EXPERIMENTAL (PERSISTENT, not yet run on a GPU). Program p takes work item p, then the next
-        unclaimed one from COUNTER (zeroed by the launcher), in the order the non-persistent grid launches
+        """EXPERIMENTAL (PERSISTENT; correct on the H200, slower than the grid). Program p takes work item p,
+        then the next unclaimed one from COUNTER (zeroed by the launcher), in the order the non-persistent grid launches
         its programs. Once a block's key loop is done (every load waited for, every wgmma finished), the
         barriers are re-armed at phase 0 and the next block's Q and first key tiles are requested before
         this block's output is normalised and stored, so those loads' latency hides under the epilogue."""

@@ -116,10 +116,10 @@ PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first,
 # against 44.4 us a step (graph). On by default; MLA_ATTN_GLUON_MLA_DEDICATED=0 turns it off. 2 also holds
 # Q's latent columns 0-255 in the scorer's registers (64 a thread) as the A operand of that part of S, so
 # S reads 40 KB of Q from shared memory a tile instead of 72: 2.285 us, no gain. PV_FIRST 2 (waited):
-# 2.800 us, slower than 1. Both passed their GPU tests. 3 (EXPERIMENTAL, not yet run on a GPU): the scorer
-# issues S_{t+1} as soon as S_t is done, so it runs under the softmax and publish of tile t (``_scorer_sd``'s
-# EARLY_S; sm_90a: 168 registers, no spills, the S_{t+1} wgmmas issued between the two halves of tile t's
-# softmax with no wait before its exponentials).
+# 2.800 us, slower than 1. Both passed their GPU tests. 3 (EXPERIMENTAL): the scorer issues S_{t+1} as soon
+# as S_t is done, so it runs under the softmax and publish of tile t (``_scorer_sd``'s EARLY_S; sm_90a: 168
+# registers, no spills). Correct on the H200 (c97a5b7) but slower: 3.242 us a tile against 2.203 for 1 in
+# the same probe run, so S under the softmax costs the P V warpgroups more than the overlap gains.
 DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
@@ -529,8 +529,8 @@ if AVAILABLE:
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
                    qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr, TR=None,
                    tr_on=False, TRACE: gl.constexpr = False, EARLY_S: gl.constexpr = False):
-        # EARLY_S (DEDICATED = 3, EXPERIMENTAL, not yet run on a GPU): S_{t+1} is issued as soon as S_t is
-        # done and tile t + 1 has landed, so it runs on the tensor cores under the softmax and publish of
+        # EARLY_S (DEDICATED = 3, EXPERIMENTAL; correct, 47% slower a tile on the H200): S_{t+1} is issued as
+        # soon as S_t is done and tile t + 1 has landed, so it runs on the tensor cores under the softmax and publish of
         # tile t (two score register sets; nothing is in flight at the loop's back edge). The scorer owns
         # no accumulator that a P V touches, so no rescale forces a wait on it (the alternating scorers'
         # C7517). Tile t + 1's stage is refilled only after P_{t+1} V_{t+1}, which follows S_{t+1}'s end.
