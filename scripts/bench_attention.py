@@ -328,11 +328,20 @@ def bench_gluon_ws(out=None):
 
 
 def bench_gluon_persistent(out=None):
-    """The experimental persistent schedule of the Gluon forward, every benchmark row."""
+    """The experimental schedules of the Gluon forward, every benchmark row: persistent (both work orders)
+    and S1_EARLY."""
     from mla_attn.ops.attention import gluon_fwd
 
-    _bench_forward_variants(out, "persistent", [("persistent", lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(
-        q, k, v, causal=True, scale=scale, persistent=True))])
+    def pers(schedule):
+        return lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=True,
+                                                                schedule=schedule)
+
+    def s1_early(q, k, v, scale):
+        return gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, s1_early=True)
+
+    _bench_forward_variants(out, "variant", [("persistent, static snake", pers(1)),
+                                             ("persistent, atomic counter", pers(0)),
+                                             ("grid, S_1 before tile 0's softmax", s1_early)])
 
 
 def main(argv=None):

@@ -84,6 +84,8 @@ def main():
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
                          "the scorer's registers (use --consumer-regs 168)")
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
+    ap.add_argument("--s1-early", action="store_true", help="gluon: S1_EARLY (S_1 under tile 0's softmax)")
+    ap.add_argument("--schedule", type=int, default=1, help="gluon --persistent: 0 atomic counter, 1 static snake")
     ap.add_argument("--tma-store", action="store_true", help="gluon: TMA_STORE (O out through Q's shared memory by TMA)")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
@@ -129,11 +131,12 @@ def main():
             const["TRACE"] = True
         else:
             const.update(TR=None, TRACE=False)
-        if args.persistent:  # one program an SM, row blocks from a counter (experimental)
+        if args.persistent:  # one program an SM, row blocks from a counter or a static snake (experimental)
             ptrs["COUNTER"] = "*i32"
-            const["PERSISTENT"] = True
+            const.update(PERSISTENT=True, SCHEDULE=args.schedule)
         else:
             const.update(COUNTER=None, PERSISTENT=False)
+        const["S1_EARLY"] = args.s1_early
         if args.tma_store:  # the output stored by TMA through Q's buffer
             ptrs["o_desc"] = desc(a, args.dv)
             const["TMA_STORE"] = True

@@ -3,7 +3,9 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
-#   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 traces
+#   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
+#   ONLY=fwdprobe bash scripts/gpu_check.sh [OUTDIR]   diagnostics of the Gluon forward: experimental schedules'
+#     tests and bench, clock64 trace, block timeline
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -45,6 +47,19 @@ if [ "${ONLY:-}" = gluon ]; then
   echo "gpu_check status: $status"
   exit $status
 fi
+if [ "${ONLY:-}" = fwdprobe ]; then
+  # Diagnostics of the Gluon forward (one device call, ~6 minutes): the experimental schedules' tests
+  # (persistent, S1_EARLY; reported, they do not fail the check), the clock64 trace of one program's
+  # steady loop, the block timeline of every program, and the experimental schedules timed (the bench
+  # checks each against SDPA itself, so it runs whatever the tests said).
+  step "gluon forward tests, persistent and S1_EARLY (experimental)" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k experimental 2>&1 | tee '$out/gpu_gluon_experimental.log' | tail -12; exit \${PIPESTATUS[0]}"
+  status=0
+  step "trace gluon forward" "$(lim 60)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
+  step "block timeline of the gluon forward" "$(lim 150)" $PY scripts/trace_flash_blocks.py "$out/trace_flash_blocks.txt"
+  step "bench gluon forward, persistent and S1_EARLY (experimental)" "$(lim 120)" $PY scripts/bench_attention.py --gluon-persistent "$out/bench_gluon_persistent.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
 # ONLY=tests: the tests, the layers and the demo; ONLY=bench: the benchmarks. The whole check takes
 # ~15 minutes, longer than one 10-minute device call: run it as these two calls there.
 part=${ONLY:-all}
@@ -73,9 +88,6 @@ if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = bench ] || [ "$part" 
     status=0
     step "gluon MLA decode tests, experimental orders" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k experimental 2>&1 | tee '$out/gpu_gluon_mla_experimental.log' | tail -6; exit \${PIPESTATUS[0]}"
     export MLA_ATTN_PROBE_EXPERIMENTAL=$([ $status -eq 0 ] && echo 1 || echo 0)  # the probe times them only if they pass
-    status=0  # the persistent Gluon forward (experimental, not routed): reported, does not fail the check
-    step "gluon forward tests, persistent schedule (experimental)" "$(lim 150)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k experimental 2>&1 | tee '$out/gpu_gluon_persistent.log' | tail -6; exit \${PIPESTATUS[0]}"
-    persistent_ok=$([ $status -eq 0 ] && echo 1 || echo 0)
   fi
   [ "$mla_ok" = 1 ] || export MLA_ATTN_BENCH_S_ONCE=0
   status=$keep
@@ -98,17 +110,12 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
 fi
 if [ "$part" = all ] || [ "$part" = probe ]; then
   # Diagnostics (ONLY=probe, a third device call): the MLA decode kernel's per-tile time for each schedule
-  # order (the experimental ones only if their tests above passed), and clock64 timelines of one program
-  # of the MLA decode kernel and of the flash forward.
+  # order (the experimental ones only if their tests above passed), and a clock64 timeline of one program
+  # of the MLA decode kernel. The forward's diagnostics: ONLY=fwdprobe.
   if [ "$mla_ok" = 1 ]; then
     step "probe gluon MLA decode tile rate" "$(lim 150)" $PY scripts/probe_mla_decode.py "$out/probe_mla_decode.md"
     step "probe gluon MLA decode at batch 1 (splits, combine rules)" "$(lim 60)" $PY scripts/probe_mla_decode.py --b1 "$out/probe_mla_b1.md"
     step "trace gluon MLA decode" "$(lim 90)" $PY scripts/trace_mla_decode.py "$out/trace_mla_decode.txt"
-  fi
-  step "trace gluon forward" "$(lim 90)" $PY scripts/trace_flash_fwd.py "$out/trace_flash_fwd.txt"
-  step "block timeline of the gluon forward" "$(lim 60)" $PY scripts/trace_flash_blocks.py "$out/trace_flash_blocks.txt"
-  if [ "${persistent_ok:-0}" = 1 ]; then
-    step "bench gluon forward, persistent schedule (experimental)" "$(lim 90)" $PY scripts/bench_attention.py --gluon-persistent "$out/bench_gluon_persistent.md"
   fi
 fi
 # The device tool brings back at most 8 files: past that, the logs travel as one archive.

@@ -59,20 +59,37 @@ def test_gluon_forward_fp16(case):
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", CASES + [(4, 16, 4, 2048, 2048, 128, 128, True), (3, 8, 8, 1500, 1500, 192, 128, True)],
                          ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
-def test_gluon_forward_persistent_experimental(case):
-    """The persistent schedule (one program an SM, row blocks from a counter, the next block's loads
-    before this block's stores), forced on: the default schedule's checks, including batches of more
-    row blocks than SMs (the last two cases: 1024 and 288 blocks), so programs take several blocks."""
-    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True)
+@pytest.mark.parametrize("schedule", [1, 0], ids=["snake", "counter"])
+def test_gluon_forward_persistent_experimental(case, schedule, monkeypatch):
+    """The persistent schedule (one program an SM, row blocks from a static snake or a counter, the next
+    block's loads before this block's stores, d 128 output by TMA from a buffer of its own), forced on: the
+    default schedule's checks, including batches of more row blocks than SMs (the last two cases: 1024 and
+    288 blocks), so programs take several blocks. Outputs start NaN: a block left unwritten fails."""
+    from mla_attn.ops.attention import triton_fwd
+
+    monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
+                                                                                     device=device, dtype=dtype))
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True, schedule=schedule)
 
 
-def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False):
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [c for c in CASES if c[6] <= 128],
+                         ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_forward_s1_early_experimental(case):
+    """S_1 issued before tile 0's softmax (S1_EARLY), forced on: single-tile blocks (M = N = 1, the short
+    causal rows) take the other branch."""
+    _check(*case, torch.bfloat16, True, q_in_regs=case[5] <= 192, s1_early=True)
+
+
+def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
+           s1_early=None):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
     o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
-                                       persistent=persistent)
+                                       persistent=persistent, schedule=schedule, s1_early=s1_early)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

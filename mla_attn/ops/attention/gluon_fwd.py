@@ -52,7 +52,15 @@ whole GPU, against 497 measured for the kernel; the rest is per-block fixed cost
 epilogue of ~31 row blocks an SM), which weighs most at L 2048 (``docs/benchmarks.md``). The normal
 build's SASS is byte-identical with the persistent code in the source. On the H200 (c97a5b7) it is
 correct but 6-12% slower than the normal grid on all four benchmark rows (438 against 473 TFLOP/s at
-4 x 32 x 4096 x 128); why is not known yet (its block timeline is not stamped).
+4 x 32 x 4096 x 128). Likely why: its acq_rel atomic at the top of every block waited for the previous
+block's output stores and was broadcast behind a CTA barrier. Session 16 rewrote it (NOT YET RUN ON A GPU):
+a static snake work order with no atomic (``PERSISTENT_SCHEDULE`` 1, the default) or a relaxed atomic (0),
+the output by TMA from a buffer of its own where shared memory has room (d 128), the wait for that store
+deferred to the next block's epilogue, and block-timeline stamps for each work item.
+
+``S1_EARLY`` (EXPERIMENTAL, off, NOT YET RUN ON A GPU): each block issues its second score tile before its
+first tile's softmax, so they overlap; at sm_90a the exponentials of tile 0 follow S_1's wgmmas (the row
+max is hoisted above them), 213 registers, no spills.
 
 The output leaves by TMA (``TMA_STORE``, on): registers -> Q's shared-memory buffer -> one TMA store a
 block. A block-timeline build (``block_trace=``, scripts/trace_flash_blocks.py; session 16) had found the
@@ -98,6 +106,13 @@ PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
 # keeps the direct stores. H200 (5fb5556): bit for bit the direct stores' output; epilogue ~4500 -> ~2100
 # cycles a block; 418 -> 446 TFLOP/s at GQA 8 x 32/8 x 2048, 492 -> 517 at 4 x 32 x 4096 x 128.
 TMA_STORE = os.environ.get("MLA_ATTN_GLUON_TMA_STORE", "1") == "1"
+# The persistent schedule's work order (``_next_work``): 0 a relaxed atomic counter, 1 a static snake over the
+# grid's order. EXPERIMENTAL, not yet run on a GPU (session 16). MLA_ATTN_GLUON_PERSISTENT_SCHEDULE picks one.
+PERSISTENT_SCHEDULE = int(os.environ.get("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "1"))
+# Each row block's second score tile issued before its first tile's softmax (``_block_compute``). EXPERIMENTAL,
+# not yet run on a GPU (session 16); MLA_ATTN_GLUON_S1_EARLY=1 turns it on.
+S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "0") == "1"
+_SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
     TRACE_TILES = gl.constexpr(128)  # TRACE builds' stamp buffer: [1, TRACE_TILES, TRACE_EVENTS] int64
@@ -285,7 +300,7 @@ if AVAILABLE:
                        p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, dtype: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr, D_QK0: gl.constexpr,
-                       SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr):
+                       SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr, S1_EARLY: gl.constexpr = False):
         """A row block's key loop, its loads started by _block_loads and its barriers at phase 0 ->
         (acc, m_i, l_i, the block's row indices), everything waited for."""
         o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
@@ -319,13 +334,28 @@ if AVAILABLE:
             # two register sets and no copy of an in-flight accumulator is needed at the back edge.
             n_steady = n_tiles - 1
             if PV_OVERLAP:
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if S1_EARLY:
+                    # S_1 on the tensor cores under tile 0's softmax (else they run one after the other, once
+                    # a block: ~4700 cycles of fixed cost a block on the H200, scripts/trace_flash_blocks.py).
+                    if n_tiles > 1:
+                        mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
+                        s1 = _qk(q_op, q1_op, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT)
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        s = warpgroup_mma_wait(num_outstanding=0, deps=(s1,))
+                    else:
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                else:
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if n_tiles > 1:
-                    mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
-                    s = warpgroup_mma_wait(
-                        num_outstanding=0, deps=(_qk(q_op, q1_op, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
+                    if not S1_EARLY:
+                        mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
+                        s = warpgroup_mma_wait(
+                            num_outstanding=0, deps=(_qk(q_op, q1_op, k_smem, k1_smem, 1 % STAGES, s_zero, SPLIT),))
                     # Tiles below n_full are visible to every row of the block: no mask (the mask is
                     # about a third of the softmax's ALU work). Step j runs the softmax of tile j + 1.
                     n_full = n_tiles
@@ -391,7 +421,8 @@ if AVAILABLE:
     @gluon.jit
     def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
                         stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
-                        D_V: gl.constexpr, o_desc=None, o_smem=None, H=0, TMA_STORE: gl.constexpr = False):
+                        D_V: gl.constexpr, o_desc=None, o_smem=None, H=0, TMA_STORE: gl.constexpr = False,
+                        DEFER_WAIT: gl.constexpr = False):
         """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
         same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py).
 
@@ -399,7 +430,9 @@ if AVAILABLE:
         o_desc's layout): a block whose rows all lie below M goes registers -> shared memory -> one TMA
         store, instead of 4-byte stores scattered by the accumulator layout (those took ~4500 cycles a
         block on the H200, 7-12% of the forward: scripts/trace_flash_blocks.py). The TMA store is waited
-        for (its shared-memory read) before the function returns. A partial last block stores directly."""
+        for (its shared-memory read) before the function returns, or (DEFER_WAIT, the persistent loop) only
+        before o_smem is written again, so the read overlaps the next block. A partial last block stores
+        directly."""
         # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
@@ -407,6 +440,9 @@ if AVAILABLE:
         o = (acc * inv[:, None]).to(O.dtype.element_ty)
         if TMA_STORE:
             if row0 + ROWS <= M:
+                if DEFER_WAIT:  # the previous block's store must have read o_smem, in every thread's view
+                    tma.store_wait(0)
+                    gl.thread_barrier()
                 o_smem.store(o)
                 fence_async_shared()
                 gl.thread_barrier()
@@ -416,7 +452,7 @@ if AVAILABLE:
         else:
             _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
         gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
-        if TMA_STORE:
+        if TMA_STORE and not DEFER_WAIT:
             tma.store_wait(0)
 
     @gluon.jit
@@ -435,6 +471,21 @@ if AVAILABLE:
                                                                                       CAUSAL)
 
     @gluon.jit
+    def _next_work(w, r, COUNTER, SCHEDULE: gl.constexpr):
+        """The work item after w for this program, whose round (blocks taken so far) was r -> (item, round).
+        SCHEDULE 0: the next unclaimed item from COUNTER (a relaxed atomic: no other memory depends on it).
+        SCHEDULE 1: static snake, round r + 1 takes item (r + 1) * P + p on even rounds and
+        (r + 1) * P + P - 1 - p on odd ones; over the grid's order (each head's longest causal blocks first)
+        that pairs long and short blocks, and it needs no atomic."""
+        P = gl.num_programs(0)
+        if SCHEDULE == 0:
+            nxt = gl.atomic_add(COUNTER, 1, sem="relaxed") + P
+        else:
+            p = gl.program_id(0)
+            nxt = (r + 1) * P + gl.where((r + 1) % 2 == 0, p, P - 1 - p)
+        return nxt, r + 1
+
+    @gluon.jit
     def _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH, Q_CH,
                          K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
                          COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout: gl.constexpr,
@@ -442,28 +493,42 @@ if AVAILABLE:
                          dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr,
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
-                         SPLIT: gl.constexpr):
-        """EXPERIMENTAL (PERSISTENT; correct on the H200, slower than the grid). Program p takes work item p,
-        then the next unclaimed one from COUNTER (zeroed by the launcher), in the order the non-persistent grid launches
-        its programs. Once a block's key loop is done (every load waited for, every wgmma finished), the
-        barriers are re-armed at phase 0 and the next block's Q and first key tiles are requested before
-        this block's output is normalised and stored, so those loads' latency hides under the epilogue."""
+                         SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
+                         BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr):
+        """EXPERIMENTAL (PERSISTENT). Program p takes work item p, then the next one from _next_work, in the
+        order the non-persistent grid launches its programs. Once a block's key loop is done (every load
+        waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
+        first key tiles are requested before this block's output is normalised and stored, so those loads'
+        latency hides under the epilogue. TMA_STORE: O leaves through its own buffer o_smem (not Q's, which
+        holds the next block's Q by then), and the wait for that store's read comes only before the next
+        block's output is written there. BLOCK_TRACE: work item w stamps BT[w, 0:9] (its loop top, key loop
+        done, output stored), as the normal build's programs do.
+
+        Measured on the H200 (c97a5b7, SCHEDULE 0 with an acq_rel atomic at the loop top, direct stores):
+        correct, 6-12% slower than the grid. The atomic's result was broadcast through shared memory behind a
+        CTA barrier right where it was issued, and acq_rel made it wait for the previous block's stores."""
         n_mb = gl.cdiv(M, BLOCK_M)
         total = n_mb * BH
         w = gl.program_id(0)
+        r = 0
         if w < total:
             _, _, _, q_row0, q_col0, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
                                                               V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
                          bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
         while w < total:
-            w_next = gl.atomic_add(COUNTER, 1) + gl.num_programs(0)
+            if BLOCK_TRACE:
+                _block_stamp(BT, w * 9, 0)
+            w_next, r = _next_work(w, r, COUNTER, SCHEDULE)
             pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
                                                             V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
                                                 k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
                                                 o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
-                                                CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False)
+                                                CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False,
+                                                S1_EARLY)
+            if BLOCK_TRACE:
+                _block_stamp(BT, w * 9, 3)
             # Both warpgroups are past their last wait of this block: re-arm every barrier at phase 0.
             gl.thread_barrier()
             mbarrier.invalidate(q_bar)
@@ -479,9 +544,13 @@ if AVAILABLE:
                     CAUSAL, TOKEN_MAJOR)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                              q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, o_layout, row_o, BLOCK_M, D_V)
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om,
+                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, o_smem, H, TMA_STORE, True)
+            if BLOCK_TRACE:
+                _block_stamp(BT, w * 9, 6)
             w = w_next
+        if TMA_STORE:
+            tma.store_wait(0)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -496,7 +565,7 @@ if AVAILABLE:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr,
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
-        o_desc=None, TMA_STORE: gl.constexpr = False,
+        o_desc=None, TMA_STORE: gl.constexpr = False, SCHEDULE: gl.constexpr = 0, S1_EARLY: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -543,11 +612,16 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         if PERSISTENT:
+            if TMA_STORE:  # its own buffer: Q's holds the next block's Q by the time this block's O is stored
+                o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], o_desc.layout)
+            else:
+                o_smem = q_smem
             _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH,
                              Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, stride_ob, stride_oh, stride_om, stride_lb,
                              stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
                              o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
-                             PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT)
+                             PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT, SCHEDULE, o_desc, o_smem, TMA_STORE,
+                             BT, BLOCK_TRACE, S1_EARLY)
         else:
             n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
@@ -555,7 +629,7 @@ if AVAILABLE:
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem,
                                            v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout, o_layout, p_layout,
                                            row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL, PV_OVERLAP,
-                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE)
+                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE, S1_EARLY)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 3)
             mbarrier.invalidate(q_bar)
@@ -619,15 +693,18 @@ def _split_head_dim(d: int):
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
-                    persistent: bool | None = None, block_trace: torch.Tensor | None = None):
+                    persistent: bool | None = None, block_trace: torch.Tensor | None = None,
+                    schedule: int | None = None, s1_early: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
     Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``) unless
     they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are read in place through
     [B * L, H * D] descriptors. ``persistent`` (None: ``PERSISTENT``, off): the experimental persistent
-    schedule (not with ``trace``). ``block_trace``: an int64 [row blocks x B x H, 9] buffer for the
-    block-timeline build (see ``_gluon_trace.block_stamp``; non-persistent only).
+    schedule (not with ``trace``), whose work order is ``schedule`` (None: ``PERSISTENT_SCHEDULE``; 0 a
+    counter, 1 static snake: see ``_next_work``). ``block_trace``: an int64 [row blocks x B x H, 9] buffer
+    for the block-timeline build (see ``_gluon_trace.block_stamp``; a row a block, in the grid's order).
+    ``s1_early`` (None: ``S1_EARLY``, off): the second score tile issued before the first tile's softmax.
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -665,22 +742,31 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
     persistent = PERSISTENT if persistent is None else persistent
-    # The output leaves through Q's shared-memory buffer by TMA where that buffer has O's block shape (the
-    # persistent schedule has the next block's Q in it by then).
-    tma_store = TMA_STORE and d0 == d_v and not persistent and o.is_contiguous()
+    # The output leaves by TMA through Q's shared-memory buffer where that buffer has O's block shape; the
+    # persistent schedule (Q's buffer holds the next block's Q by then) through a buffer of its own, where
+    # shared memory has room for one (d 128: 192 of 227 KB; not 192/128).
+    if persistent:
+        smem = 2 * (block_m * (d0 + d1) + stages * block_n * (d0 + d1 + d_v) + block_m * d_v)
+        tma_store = TMA_STORE and smem <= _SMEM_BYTES and o.is_contiguous()
+    else:
+        tma_store = TMA_STORE and d0 == d_v and o.is_contiguous()
     if tma_store:
         extra_o = {"o_desc": desc(o.view(b * h * m, d_v), block_m, d_v), "TMA_STORE": True}
     else:
         extra_o = {}
-    if persistent and (trace is not None or block_trace is not None):
-        raise ValueError("flash_fwd_gluon: the TRACE builds stamp the non-persistent schedule; pass persistent=False")
+    if persistent and trace is not None:
+        raise ValueError("flash_fwd_gluon: the TRACE build stamps the non-persistent schedule; pass persistent=False")
     n_mb = (m + block_m - 1) // block_m
     if block_trace is not None and (block_trace.dtype != torch.int64 or block_trace.numel() < n_mb * b * h * 9):
         raise ValueError(f"flash_fwd_gluon: block_trace must be int64 with at least {n_mb * b * h * 9} elements, "
                          f"got {block_trace.dtype} {tuple(block_trace.shape)}")
     if persistent:
+        schedule = PERSISTENT_SCHEDULE if schedule is None else schedule
+        if schedule not in (0, 1):
+            raise ValueError(f"flash_fwd_gluon: schedule must be 0 (counter) or 1 (static snake), got {schedule!r}")
         grid = (min(n_mb * b * h, _num_sms(q.device)), 1)
-        extra = {"PERSISTENT": True, "COUNTER": torch.zeros(1, dtype=torch.int32, device=q.device), "BH": b * h}
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule == 0 else lse  # 1: unused
+        extra = {"PERSISTENT": True, "COUNTER": counter, "BH": b * h, "SCHEDULE": schedule}
     else:
         grid = (n_mb, b * h)
         extra = {}
@@ -692,5 +778,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
+        **({"S1_EARLY": True} if (S1_EARLY if s1_early is None else s1_early) and pv_overlap else {}),
     )
     return o, lse
