@@ -115,3 +115,28 @@ def test_mla_cpu_tensors_never_route_to_gluon():
     buf = torch.randn(1, 64, 576, dtype=torch.bfloat16)
     assert not gm.supported(ql, qr, buf[..., :512], buf[..., 512:])
     assert not td._gluon_mla_takes(ql, qr, buf[..., :512], buf[..., 512:], None, None)
+
+
+# ---- which Triton the Gluon kernels route on (ops/_gluon_compat.py) ----
+def test_gluon_compat_names_and_version_gate(monkeypatch):
+    import warnings
+
+    import triton
+
+    compat = pytest.importorskip("mla_attn.ops._gluon_compat")
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    # whichever name this Triton has for the TMA copies, and the same function the kernels call
+    assert compat.tma_load is (getattr(tma, "async_load", None) or tma.async_copy_global_to_shared)
+    assert compat.tma_store is (getattr(tma, "async_store", None) or tma.async_copy_shared_to_global)
+    assert gluon_fwd._tma_load is compat.tma_load and gluon_fwd._tma_store is compat.tma_store
+    assert compat._version("3.6.0") == (3, 6) and compat._version("3.10.1+git") == (3, 10)
+    assert compat._version("nightly") == (0, 0)
+    tested = compat._version(triton.__version__) in compat.TESTED
+    assert compat.VERSION_OK == (tested or __import__("os").environ.get("MLA_ATTN_GLUON_ANY_TRITON") == "1")
+    monkeypatch.setattr(compat, "_warned", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.warn_untested()
+        compat.warn_untested()
+    assert len(seen) == 1 and "Triton kernels run instead" in str(seen[0].message)

@@ -47,8 +47,12 @@ from .gluon_fwd import _split_head_dim, _tma_ready, _tma_view
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import thread_barrier as _thread_barrier
+    from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import warn_untested as _warn_untested
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -87,10 +91,10 @@ if AVAILABLE:
                             pred=pred)
         else:
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_smem.index(stage), pred=pred)
+        _tma_load(q_desc, [row, col], bar, q_smem.index(stage), pred=pred)
         if SPLIT:
-            tma.async_copy_global_to_shared(q1_desc, [row, col + D_QK0], bar, q1_smem.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_smem.index(stage), pred=pred)
+            _tma_load(q1_desc, [row, col + D_QK0], bar, q1_smem.index(stage), pred=pred)
+        _tma_load(do_desc, [do_row, do_col], bar, do_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _dkdv_gluon(
@@ -154,11 +158,11 @@ if AVAILABLE:
 
         if SPLIT:
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k1_desc, [kv_row0, k_col0 + D_QK0], kv_bar, k1_smem)
+            _tma_load(k1_desc, [kv_row0, k_col0 + D_QK0], kv_bar, k1_smem)
         else:
             mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [v_row0, v_col0], kv_bar, v_smem)
+        _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
+        _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
         for i in gl.static_range(STAGES):
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
                        GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
@@ -210,7 +214,7 @@ if AVAILABLE:
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             # Both warpgroups are done with this stage once every thread passes here: refill it.
-            gl.thread_barrier()
+            _thread_barrier()
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
                        i_hk, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
 
@@ -265,7 +269,7 @@ if AVAILABLE:
             dq, dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq1))
         else:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        gl.thread_barrier()  # both warpgroups are done with this stage
+        _thread_barrier()  # both warpgroups are done with this stage
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES, kv_row0, n_tiles, BLOCK_N,
                       STAGES, D_QK0, SPLIT)
         return dq, dq1
@@ -329,11 +333,11 @@ if AVAILABLE:
 
         if SPLIT:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q1_desc, [q_row0, D_QK0], q_bar, q1_smem)
+            _tma_load(q1_desc, [q_row0, D_QK0], q_bar, q1_smem)
         else:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bar, q_smem)
-        tma.async_copy_global_to_shared(do_desc, [q_row0, 0], q_bar, do_smem)
+        _tma_load(q_desc, [q_row0, 0], q_bar, q_smem)
+        _tma_load(do_desc, [q_row0, 0], q_bar, do_smem)
         for i in gl.static_range(STAGES):
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N,
                           STAGES, D_QK0, SPLIT)
@@ -378,6 +382,9 @@ if AVAILABLE:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`dkdv_gluon` takes these inputs (else the Triton dK/dV kernel runs)."""
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
+        _warn_untested()
         return False
     d_qk, d_v = q.shape[-1], v.shape[-1]
     split = _split_head_dim(d_qk)

@@ -88,6 +88,11 @@ try:  # Gluon is experimental: absent from older Triton, and its API moves betwe
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import thread_barrier as _thread_barrier
+    from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import warn_untested as _warn_untested
+    from .._gluon_compat import tma_store as _tma_store
 
     from .._gluon_trace import block_stamp as _block_stamp
     from .._gluon_trace import stamp as _trace_stamp
@@ -152,11 +157,11 @@ if AVAILABLE:
         # 2-D views (a [B, H, L, D] tensor as [B * H * L, D], or a [B, L, H, D] one as [B * L, H * D]).
         k_row = kv_row0[0] + tile * BLOCK_N
         v_row = kv_row0[2] + tile * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [k_row, kv_row0[1]], bar, k_smem.index(stage), pred=pred)
+        _tma_load(k_desc, [k_row, kv_row0[1]], bar, k_smem.index(stage), pred=pred)
         if SPLIT:  # the key columns past the first power of two (Dqk 192 = 128 + 64)
-            tma.async_copy_global_to_shared(k1_desc, [k_row, kv_row0[1] + D_QK0], bar, k1_smem.index(stage),
+            _tma_load(k1_desc, [k_row, kv_row0[1] + D_QK0], bar, k1_smem.index(stage),
                                             pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [v_row, kv_row0[3]], bar, v_smem.index(stage), pred=pred)
+        _tma_load(v_desc, [v_row, kv_row0[3]], bar, v_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _qk(q_smem, q1_smem, k_smem, k1_smem, stage, s_zero, SPLIT: gl.constexpr):
@@ -182,7 +187,7 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
         # Both warpgroups must be past tile j - 1 before its stage is refilled: each wgmma wait covers
         # only its own warpgroup.
-        gl.thread_barrier()
+        _thread_barrier()
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
                  STAGES, D_QK0, SPLIT)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -215,7 +220,7 @@ if AVAILABLE:
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
         # P_{j-1} V_{j-1} finished in step j - 1 in both warpgroups once all threads pass here, so tile
         # j - 1's stage can be refilled.
-        gl.thread_barrier()
+        _thread_barrier()
         if TRACE:
             _trace_stamp(TR, tr_on, 0, j, 2, TRACE_TILES, TRACE_EVENTS)
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
@@ -286,10 +291,10 @@ if AVAILABLE:
         """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring."""
         if SPLIT:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
+            _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
         else:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0, q_col0], q_bar, q_smem)
+        _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
         for i in gl.static_range(STAGES - 1):
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
                      D_QK0, SPLIT)
@@ -442,11 +447,11 @@ if AVAILABLE:
             if row0 + ROWS <= M:
                 if DEFER_WAIT:  # the previous block's store must have read o_smem, in every thread's view
                     tma.store_wait(0)
-                    gl.thread_barrier()
+                    _thread_barrier()
                 o_smem.store(o)
                 fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
+                _thread_barrier()
+                _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
             else:
                 _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
         else:
@@ -530,7 +535,7 @@ if AVAILABLE:
             if BLOCK_TRACE:
                 _block_stamp(BT, w * 9, 3)
             # Both warpgroups are past their last wait of this block: re-arm every barrier at phase 0.
-            gl.thread_barrier()
+            _thread_barrier()
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
@@ -652,6 +657,9 @@ def _num_sms(device: torch.device) -> int:
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`flash_fwd_gluon` takes these inputs (else use the Triton kernel)."""
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
+        _warn_untested()
         return False
     d_qk, d_v = q.shape[-1], v.shape[-1]
     return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype

@@ -32,8 +32,11 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import warn_untested as _warn_untested
 
     from .gluon_fwd import _block_epilogue
     AVAILABLE = hasattr(gl, "warp_specialize")
@@ -75,7 +78,7 @@ if AVAILABLE:
                   pid_m, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         for i in gl.static_range(2):
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + i * 64, 0], q_bars.index(i), q_smem.index(i))
+            _tma_load(q_desc, [q_row0 + i * 64, 0], q_bars.index(i), q_smem.index(i))
         n_tiles = _tiles(pid_m, M, N, 128, CAUSAL, BLOCK_N)
         for t in range(n_tiles):
             s = t % STAGES
@@ -83,8 +86,8 @@ if AVAILABLE:
             # on parity 1 and goes straight through.
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row0 + t * BLOCK_N, 0], ready.index(s), k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [kv_row0 + t * BLOCK_N, 0], ready.index(s), v_smem.index(s))
+            _tma_load(k_desc, [kv_row0 + t * BLOCK_N, 0], ready.index(s), k_smem.index(s))
+            _tma_load(v_desc, [kv_row0 + t * BLOCK_N, 0], ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bars, ready, empty, turn, O, LSE, qk_scale, M, N,
@@ -232,6 +235,9 @@ if AVAILABLE:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
+        _warn_untested()
         return False
     d, d_v = q.shape[-1], v.shape[-1]
     return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype and d == d_v

@@ -82,9 +82,13 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import thread_barrier as _thread_barrier
+    from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import warn_untested as _warn_untested
 
     from .._gluon_trace import stamp as _trace_stamp
     AVAILABLE = hasattr(gl, "warp_specialize")
@@ -140,9 +144,9 @@ if AVAILABLE:
     def _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0):
         """Q's three column blocks (latent 0-255, 256-511, rope) into shared memory, on q_bar."""
         mbarrier.expect(q_bar, 2 * ql_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(ql_desc, [q_row0, 0], q_bar, qa)
-        tma.async_copy_global_to_shared(ql_desc, [q_row0, 256], q_bar, qb)
-        tma.async_copy_global_to_shared(qr_desc, [q_row0, 0], q_bar, qr)
+        _tma_load(ql_desc, [q_row0, 0], q_bar, qa)
+        _tma_load(ql_desc, [q_row0, 256], q_bar, qb)
+        _tma_load(qr_desc, [q_row0, 0], q_bar, qr)
 
     @gluon.jit
     def _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t, lo, c_row0, bt_row, stride_btp, PAGED: gl.constexpr,
@@ -157,9 +161,9 @@ if AVAILABLE:
             row = c_row0 + pos
         bar = ready.index(s)
         mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + cr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(c_desc, [row, 0], bar, ka.index(s))
-        tma.async_copy_global_to_shared(c_desc, [row, 256], bar, kb.index(s))
-        tma.async_copy_global_to_shared(cr_desc, [row, 0], bar, kr.index(s))
+        _tma_load(c_desc, [row, 0], bar, ka.index(s))
+        _tma_load(c_desc, [row, 256], bar, kb.index(s))
+        _tma_load(cr_desc, [row, 0], bar, kr.index(s))
 
     @gluon.jit
     def _producer(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0, lo,
@@ -361,7 +365,7 @@ if AVAILABLE:
         l_smem.index(slot).store(l_new)
         a_smem.index(slot).store(alpha)
         fence_async_shared()  # P is read by wgmma (the async proxy)
-        gl.thread_barrier()  # every thread's stores are in before the one arrival
+        _thread_barrier()  # every thread's stores are in before the one arrival
         mbarrier.arrive(p_ready, count=1)
 
     @gluon.jit
@@ -751,6 +755,9 @@ def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
     token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys."""
     if not (AVAILABLE and q_latent.is_cuda and _is_hopper(q_latent.device)):
+        return False
+    if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
+        _warn_untested()
         return False
     if q_rope is None or k_rope is None or q_latent.dtype not in (torch.bfloat16, torch.float16):
         return False

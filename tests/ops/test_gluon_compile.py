@@ -1,0 +1,50 @@
+"""Every Gluon kernel compiles for sm_90a (Hopper) with the installed Triton, on a machine without a GPU.
+
+Gluon is experimental and its API moves between Triton releases: 3.9 renamed the TMA copies and removed
+``gl.thread_barrier``, which made every Gluon kernel fail to compile there until ``_gluon_compat.py``
+(session 16). Running the kernels needs a Hopper GPU (tests/ops/test_attention_gluon*.py,
+test_decode_gluon_mla.py, through scripts/gpu_check.sh), but compiling them needs only Triton and its
+bundled ptxas, so API drift shows up here, in CI. Each case runs ``scripts/compile_sm90.py`` (a fresh
+process: the kernel's constexpr environment is read at import) and checks that the PTX has its wgmmas.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+gluon_fwd = pytest.importorskip("mla_attn.ops.attention.gluon_fwd")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASES = [  # compile_sm90.py arguments: the routed configurations, then the experimental ones
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store",
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --dqk 192 --token-major",
+    "gluon 128,32,8,3 --dqk 256 --dv 256 --tma-store --full",
+    "gluon_dkdv 64,64,4,2",
+    "gluon_dq 64,64,4,2",
+    "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged",
+    "gluon_mla 64,64,4,2 --s-once --dedicated 0",
+    "gluon_ws 128,128,4,2",
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early --block-trace",
+]
+
+
+@pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("args", CASES, ids=lambda a: a.replace(" ", "_").replace("--", ""))
+def test_gluon_kernel_compiles_for_hopper(args, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))
+    env.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_sm90.py"), *args.split(),
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    wgmma = re.search(r"wgmma: (\d+)", out)
+    assert wgmma and int(wgmma.group(1)) > 0, out[-3000:]
+    assert (tmp_path / "kernel.ptx").stat().st_size > 0
