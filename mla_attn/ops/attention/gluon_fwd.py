@@ -2,7 +2,9 @@
 for contiguous bf16/fp16 inputs it supports (function.py routes there; strided views stay on Triton,
 which reads strides, rather than being copied for TMA; ``MLA_ATTN_GLUON=0`` keeps the Triton forward).
 Gluon is marked experimental in Triton, and its API moves between releases: on a Triton without it
-(or whose Gluon does not have these names) ``AVAILABLE`` is False and the Triton forward runs.
+(or whose Gluon does not have these names) ``AVAILABLE`` is False and the Triton forward runs; on one
+these kernels have not run with on a GPU (``_gluon_compat.VERSION_OK``: 3.6 so far) ``supported`` says
+no, with one warning, and the Triton forward runs too.
 
 Why Gluon: the plain-Triton forward (``triton_fwd.py``) tops out at 0.77-0.88x of cuDNN SDPA on the
 H200. Triton 3.6 waits for each wgmma right after issuing it whenever its result is used in the
