@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from probe_mla_decode import _fit, _write  # the least-squares line; the report so far, rewritten after each case
+
 CASES = [(4, 32, 32, 4096, 128, 128), (8, 32, 8, 2048, 128, 128), (2, 16, 16, 8192, 192, 128),
          (4, 128, 128, 2048, 192, 128)]
 
@@ -48,10 +50,7 @@ def analyse(x, n_mb: int, tiles_of) -> list[str]:
     xs = [r["tiles"] for r in rows]
     ys = [r["c1"] - r["c0"] for r in rows]
     n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((a - mx) ** 2 for a in xs)
-    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / var if var else 0.0
-    fixed = my - slope * mx
+    fixed, slope = _fit(xs, ys) if len(set(xs)) > 1 else (sum(ys) / n, 0.0)  # equal blocks: no slope to fit
     resid = statistics.pstdev(b - (fixed + slope * a) for a, b in zip(xs, ys))
     epi = [r["c2"] - r["c1"] for r in rows]
     by_sm: dict[int, list] = {}
@@ -146,8 +145,6 @@ def _run(b, h, hk, n, dqk, dv, lines, variants=VARIANTS):
 
 
 def main(out):
-    from probe_mla_decode import _write  # the report so far, rewritten after each case
-
     lines = [f"# Gluon flash forward, block timeline ({torch.cuda.get_device_name()})"]
     for case in CASES:
         _run(*case, lines)
