@@ -17,11 +17,9 @@ from test_attention_triton import _check as _check_fwd_bwd
 gluon_fwd = pytest.importorskip("mla_attn.ops.attention.gluon_fwd")
 gluon_bwd = pytest.importorskip("mla_attn.ops.attention.gluon_bwd")
 
-try:  # the Triton the Gluon kernels were run with (mla_attn/ops/_gluon_compat.py); else nothing routes to them
-    from mla_attn.ops._gluon_compat import VERSION_OK
-except ImportError:
-    VERSION_OK = False
-HOPPER = VERSION_OK and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+from mla_attn.testing import gluon_gpu  # noqa: E402
+
+HOPPER = gluon_gpu()
 
 # (B, Hq, Hkv, M, N, D_qk, D_v, causal): ragged lengths (M, N not multiples of the tiles), M > N
 # (rows that see no key), cached prefix (M < N), GQA and MQA, the head widths the kernel takes.

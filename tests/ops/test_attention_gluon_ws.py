@@ -14,11 +14,9 @@ from test_attention_triton import LSE_ATOL, _torch_same_dtype
 
 ws = pytest.importorskip("mla_attn.ops.attention.gluon_fwd_ws")
 
-try:  # the Triton the Gluon kernels were run with (mla_attn/ops/_gluon_compat.py); else nothing routes to them
-    from mla_attn.ops._gluon_compat import VERSION_OK
-except ImportError:
-    VERSION_OK = False
-HOPPER = VERSION_OK and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+from mla_attn.testing import gluon_gpu  # noqa: E402
+
+HOPPER = gluon_gpu()
 
 # Ragged lengths, M > N (rows that see no key), a cached prefix (M < N), GQA and MQA, a block whose first
 # consumer sees fewer key tiles than its second (causal), one row, d 64 and 128.

@@ -18,11 +18,9 @@ gm = pytest.importorskip("mla_attn.ops.decode.gluon_mla")
 
 pytestmark = pytest.mark.usefixtures("nan_decode_outputs")  # launcher buffers start as NaN (conftest.py)
 
-try:  # the Triton the Gluon kernels were run with (mla_attn/ops/_gluon_compat.py); else nothing routes to them
-    from mla_attn.ops._gluon_compat import VERSION_OK
-except ImportError:
-    VERSION_OK = False
-HOPPER = VERSION_OK and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+from mla_attn.testing import gluon_gpu  # noqa: E402
+
+HOPPER = gluon_gpu()
 
 
 @pytest.mark.gpu
