@@ -92,9 +92,11 @@ def analyse(x, n_mb: int, tiles_of) -> list[str]:
     return out
 
 
-VARIANTS = [("grid", {}), ("persistent, static snake", {"persistent": True, "schedule": 1}),
-            ("persistent, atomic counter", {"persistent": True, "schedule": 0}),
-            ("grid, S_1 before tile 0's softmax", {"s1_early": True})]
+VARIANTS = [("grid", {"persistent": False, "s1_early": False}),
+            ("persistent, static snake", {"persistent": True, "schedule": 1, "s1_early": False}),
+            ("persistent, atomic counter", {"persistent": True, "schedule": 0, "s1_early": False}),
+            ("grid, S_1 before tile 0's softmax", {"persistent": False, "s1_early": True}),
+            ("persistent snake + S_1 early", {"persistent": True, "schedule": 1, "s1_early": True})]
 
 
 def _run(b, h, hk, n, dqk, dv, lines, variants=VARIANTS):

@@ -36,6 +36,7 @@ CASES = [
     (1, 4, 1, 257, 511, 192, 128, False),
     (2, 8, 8, 1024, 1024, 192, 128, True),
 ]
+PERSISTENT_CASES = CASES + [(4, 16, 4, 2048, 2048, 128, 128, True), (3, 8, 8, 1500, 1500, 192, 128, True)]
 
 
 @pytest.mark.gpu
@@ -59,19 +60,35 @@ def test_gluon_forward_fp16(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case", CASES + [(4, 16, 4, 2048, 2048, 128, 128, True), (3, 8, 8, 1500, 1500, 192, 128, True)],
+@pytest.mark.parametrize("case", PERSISTENT_CASES,
                          ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
-@pytest.mark.parametrize("schedule", [1, 0], ids=["snake", "counter"])
-def test_gluon_forward_persistent_experimental(case, schedule, monkeypatch):
-    """The persistent schedule (one program an SM, row blocks from a static snake or a counter, the next
-    block's loads before this block's stores, d 128 output by TMA from a buffer of its own), forced on: the
-    default schedule's checks, including batches of more row blocks than SMs (the last two cases: 1024 and
-    288 blocks), so programs take several blocks. Outputs start NaN: a block left unwritten fails."""
+def test_gluon_forward_persistent(case, monkeypatch):
+    """The persistent schedule (one program an SM, row blocks in a static snake, the next block's loads
+    before this block's stores, d 128 output by TMA from a buffer of its own; S_1 early at d 128 as
+    routed), forced on at every head width: the default schedule's checks, including batches of more row
+    blocks than SMs (the last two cases: 1024 and 288 blocks), so programs take several blocks. Outputs
+    start NaN: a block left unwritten fails."""
+    _poison_outputs(monkeypatch)
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True, schedule=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", PERSISTENT_CASES,
+                         ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_forward_persistent_counter_experimental(case, monkeypatch):
+    """The persistent schedule's other work order (a relaxed atomic counter; not routed: slower than the
+    snake on the H200), without S_1 early."""
+    _poison_outputs(monkeypatch)
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True, schedule=0,
+           s1_early=False)
+
+
+def _poison_outputs(monkeypatch):
     from mla_attn.ops.attention import triton_fwd
 
     monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
                                                                                      device=device, dtype=dtype))
-    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=True, schedule=schedule)
 
 
 @pytest.mark.gpu
@@ -81,7 +98,7 @@ def test_gluon_forward_persistent_experimental(case, schedule, monkeypatch):
 def test_gluon_forward_s1_early_experimental(case):
     """S_1 issued before tile 0's softmax (S1_EARLY), forced on: single-tile blocks (M = N = 1, the short
     causal rows) take the other branch."""
-    _check(*case, torch.bfloat16, True, q_in_regs=case[5] <= 192, s1_early=True)
+    _check(*case, torch.bfloat16, True, q_in_regs=case[5] <= 192, persistent=False, s1_early=True)
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
@@ -104,20 +121,23 @@ def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case, overlap, token_major", [
-    (CASES[0], True, False),    # M 1023: whole blocks by TMA, the partial last one stored directly
-    (CASES[1], True, False),    # non-causal GQA
-    (CASES[2], True, False),    # M 2048: every block by TMA
-    (CASES[2], False, False),   # the plain schedule
-    (CASES[3], True, False),    # d 64, one partial block
-    (CASES[6], False, False),   # d 256
-    (CASES[8], True, False),    # 192/128: O through Q's 128-wide half
-    (CASES[10], True, True),    # 192/128 token-major inputs (o is always [B, H, M, Dv])
+@pytest.mark.parametrize("case, overlap, token_major, persistent", [
+    (CASES[0], True, False, False),    # M 1023: whole blocks by TMA, the partial last one stored directly
+    (CASES[1], True, False, False),    # non-causal GQA
+    (CASES[2], True, False, False),    # M 2048: every block by TMA
+    (CASES[2], False, False, False),   # the plain schedule
+    (CASES[3], True, False, False),    # d 64, one partial block
+    (CASES[6], False, False, False),   # d 256
+    (CASES[8], True, False, False),    # 192/128: O through Q's 128-wide half
+    (CASES[10], True, True, False),    # 192/128 token-major inputs (o is always [B, H, M, Dv])
+    (CASES[0], True, False, True),     # persistent: O through its own buffer, the partial last block direct
+    (PERSISTENT_CASES[-2], True, False, True),  # persistent, ~8 row blocks a program
 ], ids=lambda x: x if isinstance(x, bool) else "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
     *x[:7], "causal" if x[7] else "full"))
-def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_major, monkeypatch):
-    """The output stored by TMA through Q's shared-memory buffer (TMA_STORE) is bit for bit the output
-    stored from registers, into NaN-poisoned buffers: same o, same lse, every element written."""
+def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_major, persistent, monkeypatch):
+    """The output stored by TMA (through Q's shared-memory buffer in the grid, a buffer of its own in the
+    persistent schedule) is bit for bit the output stored from registers, into NaN-poisoned buffers: same
+    o, same lse, every element written. S_1 early off in both, so only the stores differ."""
     b, hq, hkv, m, n, dqk, dv, causal = case
     gen = torch.Generator().manual_seed(7)
     dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
@@ -126,15 +146,12 @@ def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_majo
                    for h, L, d in dims)
     else:
         q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
-    from mla_attn.ops.attention import triton_fwd
-
-    monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
-                                                                                     device=device, dtype=dtype))
+    _poison_outputs(monkeypatch)
     outs = []
     for on in (True, False):
         monkeypatch.setattr(gluon_fwd, "TMA_STORE", on)
         outs.append(gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5, pv_overlap=overlap,
-                                              token_major=token_major))
+                                              token_major=token_major, persistent=persistent, s1_early=False))
     (o1, lse1), (o2, lse2) = outs
     assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)

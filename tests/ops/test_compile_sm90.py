@@ -26,7 +26,9 @@ gluon_fwd = pytest.importorskip("mla_attn.ops.attention.gluon_fwd")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = [  # compile_sm90.py arguments: the routed configurations, then the experimental ones
-    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store",
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early",  # d 128: persistent
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early --token-major",
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store",  # the grid (d 128 with MLA_ATTN_GLUON_PERSISTENT=0)
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --dqk 192 --token-major",
     "gluon 128,32,8,3 --dqk 256 --dv 256 --tma-store --full",
     "gluon_dkdv 64,64,4,2",
@@ -34,7 +36,7 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged",
     "gluon_mla 64,64,4,2 --s-once --dedicated 0",
     "gluon_ws 128,128,4,2",
-    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early --block-trace",
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --schedule 0 --block-trace",
     "fwd 128,64,8,3",  # the Triton kernels
     "dkdv 64,64,4,2",
     "dq 64,64,4,2",

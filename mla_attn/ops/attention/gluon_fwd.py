@@ -45,24 +45,23 @@ Triton forward in the same run (d45e3df, scripts/bench_attention.py --gluon, doc
 +4% at 4 x 32 x 4096 x 128, +9% at 2 x 16 x 8192 x 192/128, +7% at 4 x 128 x 2048 x 192/128, +4% at
 GQA 8 x 32/8 x 2048 x 128.
 
-EXPERIMENTAL (``PERSISTENT``, off; ``MLA_ATTN_GLUON_PERSISTENT=1``): one program an
-SM takes row blocks in the grid's order from a counter. When a block's key loop is done it re-arms the
-barriers and requests the next block's Q and first key tiles, then normalises and stores this block's
-output, so those loads' latency hides under the epilogue. Why: a clock64 trace (session 15) puts a steady
-d 128 step at ~1800 cycles, which at 1.76-1.98 GHz (the clock was not read) is 534-603 TFLOP/s for the
-whole GPU, against 497 measured for the kernel; the rest is per-block fixed cost (the serial prologue and
-epilogue of ~31 row blocks an SM), which weighs most at L 2048 (``docs/benchmarks.md``). The normal
-build's SASS is byte-identical with the persistent code in the source. On the H200 (c97a5b7) it is
-correct but 6-12% slower than the normal grid on all four benchmark rows (438 against 473 TFLOP/s at
-4 x 32 x 4096 x 128). Likely why: its acq_rel atomic at the top of every block waited for the previous
-block's output stores and was broadcast behind a CTA barrier. Session 16 rewrote it (NOT YET RUN ON A GPU):
-a static snake work order with no atomic (``PERSISTENT_SCHEDULE`` 1, the default) or a relaxed atomic (0),
-the output by TMA from a buffer of its own where shared memory has room (d 128), the wait for that store
-deferred to the next block's epilogue, and block-timeline stamps for each work item.
+The persistent schedule (``PERSISTENT``, "auto": on at Dqk = Dv = 128; ``MLA_ATTN_GLUON_PERSISTENT``): one
+program an SM takes row blocks in a static snake over the grid's order. When a block's key loop is done it
+re-arms the barriers and requests the next block's Q and first key tiles, then normalises and stores this
+block's output by TMA from a buffer of its own, so those loads' latency hides under the epilogue. Why: a
+block-timeline build (session 16) put ~4700 fixed cycles on each block of the grid (prologue, epilogue, the
+gap before the next), which weighs most at L 2048. History: the first version (c97a5b7: an acq_rel atomic
+counter at the top of every block, broadcast behind a CTA barrier; direct stores) was 6-12% slower than the
+grid. The rewrite (session 16; run at 712e22f and 1cbb9f5, session 17): fixed cost ~2900 cycles a block,
+gap ~100; five rotated rounds against the grid: +1.8% at 4 x 32 x 4096 x 128, +3.0% at GQA 8 x 32/8 x 2048,
+-3% and -8% at 192/128, where shared memory has no room for an output buffer of its own (direct stores,
+~6600 cycles an epilogue) -- so "auto" keeps the grid there. The relaxed-atomic work order
+(``PERSISTENT_SCHEDULE`` 0) was 1.3-7% behind the snake.
 
-``S1_EARLY`` (EXPERIMENTAL, off, NOT YET RUN ON A GPU): each block issues its second score tile before its
-first tile's softmax, so they overlap; at sm_90a the exponentials of tile 0 follow S_1's wgmmas (the row
-max is hoisted above them), 213 registers, no spills.
+``S1_EARLY`` ("auto": with the persistent schedule at d 128): each block issues its second score tile before
+its first tile's softmax, so they overlap; at sm_90a the exponentials of tile 0 follow S_1's wgmmas (the row
+max is hoisted above them). H200 (1cbb9f5): +0.5% over persistent alone at d 128 (within the noise, never
+behind), -0.9% to +1% in the grid.
 
 The output leaves by TMA (``TMA_STORE``, on): registers -> Q's shared-memory buffer -> one TMA store a
 block. A block-timeline build (``block_trace=``, scripts/trace_flash_blocks.py; session 16) had found the
@@ -103,22 +102,26 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
-# EXPERIMENTAL (correct on the H200, 6-12% slower): one program an SM that takes row blocks from a counter and
-# requests the next block's loads before writing the current block's output (``_persistent_loop``). sm_90a, Triton 3.6:
-# 255 registers; no spills at d 128 causal, 92 bytes at 192/128 and 180 at d 128 non-causal (the normal
-# build: 208-226, none). At d 128 causal the steady two-tile loop body is 666 SASS instructions against the
-# normal build's 663, with the same 24 wgmmas, 68 MUFU and 2 moves. MLA_ATTN_GLUON_PERSISTENT=1 turns it on.
-PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "0") == "1"
+# The persistent schedule (``_persistent_loop``): one program an SM takes row blocks in a static snake over
+# the grid's order and requests the next block's loads before storing this block's output. "auto" (default):
+# where the output has a TMA buffer of its own, Dqk = Dv = 128 -- there, on the H200 (1cbb9f5, five rotated
+# rounds each), 1.8% (4 x 32 x 4096) and 3.0% (GQA 8 x 32/8 x 2048) faster than the grid; at 192/128 the
+# output falls back to direct stores and it was 3-8% slower, so the grid stays. "1" / "0": always / never.
+# sm_90a, Triton 3.6, d 128 causal: 248-255 registers, no spills. MLA_ATTN_GLUON_PERSISTENT overrides.
+PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "auto")
 # The output stored by TMA through Q's shared-memory buffer (see _block_epilogue); MLA_ATTN_GLUON_TMA_STORE=0
 # keeps the direct stores. H200 (5fb5556): bit for bit the direct stores' output; epilogue ~4500 -> ~2100
 # cycles a block; 418 -> 446 TFLOP/s at GQA 8 x 32/8 x 2048, 492 -> 517 at 4 x 32 x 4096 x 128.
 TMA_STORE = os.environ.get("MLA_ATTN_GLUON_TMA_STORE", "1") == "1"
-# The persistent schedule's work order (``_next_work``): 0 a relaxed atomic counter, 1 a static snake over the
-# grid's order. EXPERIMENTAL, not yet run on a GPU (session 16). MLA_ATTN_GLUON_PERSISTENT_SCHEDULE picks one.
+# The persistent schedule's work order (``_next_work``): 1 (default) a static snake over the grid's order (no
+# atomic; programs' work within 1.03x of the mean), 0 a relaxed atomic counter (H200, 1cbb9f5: 1.3-7% slower
+# than the snake). MLA_ATTN_GLUON_PERSISTENT_SCHEDULE picks one.
 PERSISTENT_SCHEDULE = int(os.environ.get("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "1"))
-# Each row block's second score tile issued before its first tile's softmax (``_block_compute``). EXPERIMENTAL,
-# not yet run on a GPU (session 16); MLA_ATTN_GLUON_S1_EARLY=1 turns it on.
-S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "0") == "1"
+# Each row block's second score tile issued before its first tile's softmax (``_block_compute``). "auto"
+# (default): with the persistent schedule at d 128, where the pair measured +0.5% over persistent alone (H200,
+# 1cbb9f5; within the noise, but never behind); the grid alone measured -0.9% to +1%, so it stays off there.
+# "1" / "0": always / never. MLA_ATTN_GLUON_S1_EARLY overrides.
+S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -502,7 +505,7 @@ if AVAILABLE:
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
                          BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr):
-        """EXPERIMENTAL (PERSISTENT). Program p takes work item p, then the next one from _next_work, in the
+        """PERSISTENT. Program p takes work item p, then the next one from _next_work, in the
         order the non-persistent grid launches its programs. Once a block's key loop is done (every load
         waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
         first key tiles are requested before this block's output is normalised and stored, so those loads'
@@ -511,9 +514,9 @@ if AVAILABLE:
         block's output is written there. BLOCK_TRACE: work item w stamps BT[w, 0:9] (its loop top, key loop
         done, output stored), as the normal build's programs do.
 
-        Measured on the H200 (c97a5b7, SCHEDULE 0 with an acq_rel atomic at the loop top, direct stores):
-        correct, 6-12% slower than the grid. The atomic's result was broadcast through shared memory behind a
-        CTA barrier right where it was issued, and acq_rel made it wait for the previous block's stores."""
+        Measured on the H200: see the module docstring (the first version, c97a5b7, with an acq_rel atomic at
+        the loop top broadcast behind a CTA barrier, was 6-12% slower than the grid; this one is 2-3% faster
+        at d 128)."""
         n_mb = gl.cdiv(M, BLOCK_M)
         total = n_mb * BH
         w = gl.program_id(0)
@@ -576,8 +579,8 @@ if AVAILABLE:
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
-        # head's longest (last) row blocks first. PERSISTENT (experimental): one program an SM takes the
-        # row blocks in that same order from a counter, and starts the next block's loads before it
+        # head's longest (last) row blocks first. PERSISTENT: one program an SM takes the row blocks in
+        # that same order (a snake over it, or from a counter), and starts the next block's loads before it
         # writes the current block's output.
         if not PERSISTENT:
             pid_m = gl.program_id(0)
@@ -700,6 +703,11 @@ def _split_head_dim(d: int):
     return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
 
 
+def _auto_persistent(d_qk: int, d_v: int, trace) -> bool:
+    """The "auto" choice of PERSISTENT: where the output has a TMA buffer of its own (see ``PERSISTENT``)."""
+    return trace is None and TMA_STORE and d_qk == d_v == 128
+
+
 def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
@@ -710,11 +718,12 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
     Inputs are copied to contiguous [B, H, L, D] unless they are already, or (``token_major``) unless
     they are [B, L, H, D] tensors seen through ``transpose(1, 2)``: those are read in place through
-    [B * L, H * D] descriptors. ``persistent`` (None: ``PERSISTENT``, off): the experimental persistent
-    schedule (not with ``trace``), whose work order is ``schedule`` (None: ``PERSISTENT_SCHEDULE``; 0 a
+    [B * L, H * D] descriptors. ``persistent`` (None: ``PERSISTENT``; "auto" takes it at Dqk = Dv = 128): the
+    persistent schedule (not with ``trace``), whose work order is ``schedule`` (None: ``PERSISTENT_SCHEDULE``; 0 a
     counter, 1 static snake: see ``_next_work``). ``block_trace``: an int64 [row blocks x B x H, 9] buffer
     for the block-timeline build (see ``_gluon_trace.block_stamp``; a row a block, in the grid's order).
-    ``s1_early`` (None: ``S1_EARLY``, off): the second score tile issued before the first tile's softmax.
+    ``s1_early`` (None: ``S1_EARLY``; "auto" takes it with the persistent schedule at d 128): the second
+    score tile issued before the first tile's softmax.
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -751,7 +760,10 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
 
     q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
-    persistent = PERSISTENT if persistent is None else persistent
+    if persistent is None:
+        persistent = _auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1"
+    if s1_early is None:
+        s1_early = (persistent and d_qk == d_v == 128) if S1_EARLY == "auto" else S1_EARLY == "1"
     # The output leaves by TMA through Q's shared-memory buffer where that buffer has O's block shape; the
     # persistent schedule (Q's buffer holds the next block's Q by then) through a buffer of its own, where
     # shared memory has room for one (d 128: 192 of 227 KB; not 192/128).
@@ -788,6 +800,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
-        **({"S1_EARLY": True} if (S1_EARLY if s1_early is None else s1_early) and pv_overlap else {}),
+        **({"S1_EARLY": True} if s1_early and pv_overlap else {}),
     )
     return o, lse
