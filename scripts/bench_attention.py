@@ -341,19 +341,21 @@ def bench_gluon_ws(out=None):
 
 def bench_gluon_persistent(out=None):
     """The schedules of the Gluon forward, every benchmark row, against the one in use (at d 128 the
-    persistent snake with S_1 early, the grid elsewhere): the grid and the persistent schedule (both work
-    orders), each with and without S1_EARLY."""
+    persistent snake with S_1 early, the grid elsewhere): the grid and the persistent schedule, with and
+    without TAIL (the last heads' row blocks length-major)."""
     from mla_attn.ops.attention import gluon_fwd
 
     def variant(**kw):
         return lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
 
     _bench_forward_variants(out, "variant", [
-        ("grid", variant(persistent=False, s1_early=False)),
-        ("grid, S_1 before tile 0's softmax", variant(persistent=False, s1_early=True)),
-        ("persistent, static snake", variant(persistent=True, schedule=1, s1_early=False)),
-        ("persistent, atomic counter", variant(persistent=True, schedule=0, s1_early=False)),
-        ("persistent snake + S_1 early", variant(persistent=True, schedule=1, s1_early=True))], rounds=5)
+        ("grid", variant(persistent=False, s1_early=False, tail=False)),
+        ("grid, tail length-major", variant(persistent=False, s1_early=False, tail=True)),
+        ("persistent snake + S_1 early", variant(persistent=True, schedule=1, s1_early=True, tail=False)),
+        ("persistent snake + S_1 early, tail length-major", variant(persistent=True, schedule=1, s1_early=True,
+                                                                    tail=True)),
+        ("persistent counter, tail length-major", variant(persistent=True, schedule=0, s1_early=False, tail=True)),
+    ], rounds=5)
 
 
 def main(argv=None):

@@ -85,6 +85,7 @@ def main():
                          "the scorer's registers (use --consumer-regs 168)")
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--s1-early", action="store_true", help="gluon: S1_EARLY (S_1 under tile 0's softmax)")
+    ap.add_argument("--tail", action="store_true", help="gluon: TAIL (the last heads' row blocks length-major)")
     ap.add_argument("--schedule", type=int, default=1, help="gluon --persistent: 0 atomic counter, 1 static snake")
     ap.add_argument("--tma-store", action="store_true", help="gluon: TMA_STORE (O out through Q's shared memory by TMA)")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
@@ -137,6 +138,7 @@ def main():
         else:
             const.update(COUNTER=None, PERSISTENT=False)
         const["S1_EARLY"] = args.s1_early
+        const["TAIL"] = args.tail
         if args.tma_store:  # the output stored by TMA through Q's buffer
             ptrs["o_desc"] = desc(a, args.dv)
             const["TMA_STORE"] = True

@@ -84,6 +84,18 @@ def test_gluon_forward_persistent_counter_experimental(case, monkeypatch):
            s1_early=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [c for c in PERSISTENT_CASES if c[7]],
+                         ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_gluon_forward_tail_experimental(case, persistent, monkeypatch):
+    """TAIL forced on (the last heads' row blocks launched length-major): every block still written once,
+    with the right rows; outputs start NaN."""
+    _poison_outputs(monkeypatch)
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=persistent, tail=True)
+
+
 def _poison_outputs(monkeypatch):
     from mla_attn.ops.attention import triton_fwd
 
@@ -102,13 +114,13 @@ def test_gluon_forward_s1_early_experimental(case):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
-           s1_early=None):
+           s1_early=None, tail=None):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
     o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
-                                       persistent=persistent, schedule=schedule, s1_early=s1_early)
+                                       persistent=persistent, schedule=schedule, s1_early=s1_early, tail=tail)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

@@ -122,6 +122,10 @@ PERSISTENT_SCHEDULE = int(os.environ.get("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "
 # 1cbb9f5; within the noise, but never behind); the grid alone measured -0.9% to +1%, so it stays off there.
 # "1" / "0": always / never. MLA_ATTN_GLUON_S1_EARLY overrides.
 S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
+# Causal: the last heads' row blocks launched length-major (``_order``), so the last blocks to run are the
+# shortest. A block-timeline build (session 16) put the tail (SMs idle after their last block) at 1.5-5% of
+# the kernel. EXPERIMENTAL, off, not yet run on a GPU (session 17); MLA_ATTN_GLUON_TAIL=1 turns it on.
+TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -466,12 +470,29 @@ if AVAILABLE:
             tma.store_wait(0)
 
     @gluon.jit
+    def _order(w, n_mb, BH, TAIL_BH, TAIL: gl.constexpr):
+        """Launch position w -> (head pid_bh, j: its j-th row block in launch order). Head-major (a head's
+        blocks together, sharing its K/V in L2); TAIL: the last TAIL_BH heads' blocks length-major instead
+        (every one's j = 0 block, then every one's j = 1, ...), so that with causal the last blocks to run
+        are the shortest and the programs finish together."""
+        if TAIL:
+            w0 = (BH - TAIL_BH) * n_mb
+            in_tail = w >= w0
+            t = gl.maximum(w - w0, 0)
+            pid_bh = gl.where(in_tail, BH - TAIL_BH + t % TAIL_BH, w // n_mb)
+            j = gl.where(in_tail, t // TAIL_BH, w % n_mb)
+        else:
+            pid_bh = w // n_mb
+            j = w % n_mb
+        return pid_bh, j
+
+    @gluon.jit
     def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, BH=0, TAIL_BH=0,
+              TAIL: gl.constexpr = False):
         """Work item w, numbered in the non-persistent grid's launch order -> (row block, i_b, i_h, Q's first
         row and column, (K's first row and column, V's first row and column), key tiles)."""
-        pid_bh = w // n_mb
-        pid_m = w % n_mb
+        pid_bh, pid_m = _order(w, n_mb, BH, TAIL_BH, TAIL)
         if CAUSAL:
             pid_m = n_mb - 1 - pid_m
         i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
@@ -504,7 +525,7 @@ if AVAILABLE:
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr,
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
-                         BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr):
+                         BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr, TAIL_BH, TAIL: gl.constexpr):
         """PERSISTENT. Program p takes work item p, then the next one from _next_work, in the
         order the non-persistent grid launches its programs. Once a block's key loop is done (every load
         waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
@@ -523,7 +544,8 @@ if AVAILABLE:
         r = 0
         if w < total:
             _, _, _, q_row0, q_col0, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-                                                              V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
+                                                              V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
+                                                              BH, TAIL_BH, TAIL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
                          bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
         while w < total:
@@ -531,7 +553,8 @@ if AVAILABLE:
                 _block_stamp(BT, w * 9, 0)
             w_next, r = _next_work(w, r, COUNTER, SCHEDULE)
             pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-                                                            V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR)
+                                                            V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
+                                                            BH, TAIL_BH, TAIL)
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
                                                 k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
                                                 o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
@@ -551,7 +574,7 @@ if AVAILABLE:
             if w_next < total:
                 _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
                     w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
-                    CAUSAL, TOKEN_MAJOR)
+                    CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                              q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
             _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om,
@@ -576,6 +599,7 @@ if AVAILABLE:
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
         o_desc=None, TMA_STORE: gl.constexpr = False, SCHEDULE: gl.constexpr = 0, S1_EARLY: gl.constexpr = False,
+        TAIL_BH=0, TAIL: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -590,6 +614,8 @@ if AVAILABLE:
                 _block_stamp(BT, bt, 0)
             # TRACE: program (0, 0) stamps its steady loop: with causal, the head's last (longest) row block
             tr_on = (pid_m == 0) & (pid_bh == 0)
+            if TAIL:  # the launch position's block (see _order)
+                pid_bh, pid_m = _order(pid_bh * gl.num_programs(0) + pid_m, gl.num_programs(0), BH, TAIL_BH, TAIL)
             if CAUSAL:
                 pid_m = gl.num_programs(0) - 1 - pid_m
             i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
@@ -631,7 +657,7 @@ if AVAILABLE:
                              stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
                              o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
                              PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT, SCHEDULE, o_desc, o_smem, TMA_STORE,
-                             BT, BLOCK_TRACE, S1_EARLY)
+                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL)
         else:
             n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
@@ -703,6 +729,11 @@ def _split_head_dim(d: int):
     return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
 
 
+def _tail_heads(n_mb: int, bh: int, num_sms: int) -> int:
+    """TAIL: heads whose row blocks run length-major at the end -- enough for two blocks an SM."""
+    return max(1, min(bh, -(-2 * num_sms // n_mb)))
+
+
 def _auto_persistent(d_qk: int, d_v: int, trace) -> bool:
     """The "auto" choice of PERSISTENT: where the output has a TMA buffer of its own (see ``PERSISTENT``)."""
     return trace is None and TMA_STORE and d_qk == d_v == 128
@@ -712,7 +743,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
                     persistent: bool | None = None, block_trace: torch.Tensor | None = None,
-                    schedule: int | None = None, s1_early: bool | None = None):
+                    schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
@@ -723,7 +754,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     counter, 1 static snake: see ``_next_work``). ``block_trace``: an int64 [row blocks x B x H, 9] buffer
     for the block-timeline build (see ``_gluon_trace.block_stamp``; a row a block, in the grid's order).
     ``s1_early`` (None: ``S1_EARLY``; "auto" takes it with the persistent schedule at d 128): the second
-    score tile issued before the first tile's softmax.
+    score tile issued before the first tile's softmax. ``tail`` (None: ``TAIL``; causal only): the last
+    heads' row blocks launched length-major (see ``_order``).
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -782,6 +814,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     if block_trace is not None and (block_trace.dtype != torch.int64 or block_trace.numel() < n_mb * b * h * 9):
         raise ValueError(f"flash_fwd_gluon: block_trace must be int64 with at least {n_mb * b * h * 9} elements, "
                          f"got {block_trace.dtype} {tuple(block_trace.shape)}")
+    tail = (TAIL if tail is None else tail) and causal and n_mb > 1
+    extra_tail = {"TAIL": True, "TAIL_BH": _tail_heads(n_mb, b * h, _num_sms(q.device))} if tail else {}
     if persistent:
         schedule = PERSISTENT_SCHEDULE if schedule is None else schedule
         if schedule not in (0, 1):
@@ -791,7 +825,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         extra = {"PERSISTENT": True, "COUNTER": counter, "BH": b * h, "SCHEDULE": schedule}
     else:
         grid = (n_mb, b * h)
-        extra = {}
+        extra = {"BH": b * h} if tail else {}
     _flash_fwd_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
@@ -800,6 +834,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
-        **({"S1_EARLY": True} if s1_early and pv_overlap else {}),
+        **({"S1_EARLY": True} if s1_early and pv_overlap else {}), **extra_tail,
     )
     return o, lse
