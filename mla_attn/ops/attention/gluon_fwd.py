@@ -124,7 +124,10 @@ PERSISTENT_SCHEDULE = int(os.environ.get("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "
 S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
 # Causal: the last heads' row blocks launched length-major (``_order``), so the last blocks to run are the
 # shortest. A block-timeline build (session 16) put the tail (SMs idle after their last block) at 1.5-5% of
-# the kernel. EXPERIMENTAL, off, not yet run on a GPU (session 17); MLA_ATTN_GLUON_TAIL=1 turns it on.
+# the kernel. EXPERIMENTAL, off: correct on the H200 (0b1dc69, 20 GPU tests, grid and persistent), but no
+# gain: five rotated rounds against the grid put the grid with it at +0.4 to +1.1% (noise level) and the
+# persistent snake with it 0.7-5.5% behind the snake without (docs/raw/bench_gluon_tail_0b1dc69.md).
+# MLA_ATTN_GLUON_TAIL=1 turns it on.
 TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
