@@ -94,6 +94,8 @@ def main():
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
+    ap.add_argument("--gather", type=int, default=0, metavar="PAGE",
+                    help="gluon_mla --s-once --dedicated 1: GATHER, pages of PAGE keys gathered by cp.async")
     ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
     ap.add_argument("--consumer-regs", type=int, default=232, help="gluon_mla: registers per consumer thread")
     ap.add_argument("--maxnreg", type=int, default=168, help="gluon_mla: the kernel's register cap")
@@ -171,7 +173,13 @@ def main():
                 const.update(TR=None, TRACE=False)
             const["PV_FIRST"] = args.pv_first
             const["DEDICATED"] = args.dedicated
-        kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=args.maxnreg)
+            if args.gather:  # pages smaller than a tile, gathered by cp.async (SMALL_PAGES)
+                ptrs.update(c_ptr="*bf16", cr_ptr="*bf16")
+                const.update(PAGED=True, PAGE_SIZE=args.gather, GATHER=True)
+            else:
+                const.update(c_ptr=None, cr_ptr=None, GATHER=False)
+        kernel = _compile(fn, ptrs, const, warps, stages, maxnreg=args.maxnreg,
+                          aligned=lambda n: n in ("stride_c", "stride_cr"))
     elif args.kernel == "gluon_ws":  # the warp-specialised forward (gluon_fwd_ws.py): tiles 128,BLOCK_N,4,STAGES
         from triton.experimental.gluon import language as gl
 

@@ -6,6 +6,8 @@
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
 #   ONLY=fwdprobe bash scripts/gpu_check.sh [OUTDIR]   diagnostics of the Gluon forward: experimental schedules'
 #     tests and bench, clock64 trace, block timeline
+#   ONLY=smallpages bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode over pages < 64 keys (experimental):
+#     its tests, then the MLA decode bench with it routed
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -44,6 +46,17 @@ if [ "${ONLY:-}" = gluon ]; then
   # The Gluon forward alone, for work on it. Tests first; the bench only times variants that match SDPA.
   step "gluon forward tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py 2>&1 | tee '$out/gpu_gluon_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench gluon forward variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = smallpages ]; then
+  # The Gluon MLA decode over pages smaller than 64 keys (SMALL_PAGES, experimental, off; ~3 minutes):
+  # its tests in a hang-guarded step (a wrong mbarrier count hangs), then, if they pass, the MLA decode
+  # bench with it routed (the page-1 rows take it; compare them with the contiguous [gluon] rows).
+  step "gluon MLA decode, small pages (experimental)" "$(lim 150)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
+  if [ $status -eq 0 ]; then
+    step "bench MLA decode, small pages on the Gluon kernel" "$(lim 150)" env MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
+  fi
   echo "gpu_check status: $status"
   exit $status
 fi

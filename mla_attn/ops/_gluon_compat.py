@@ -5,7 +5,7 @@ with, Triton 3.6. Later releases renamed the Hopper TMA copies (``async_copy_glo
 ``async_copy_shared_to_global`` became ``async_load`` / ``async_store``; the old load name now raises),
 removed ``gl.thread_barrier`` and changed ``warp_specialize``'s arguments (3.9, what CI installs).
 
-- ``tma_load`` / ``tma_store`` / ``thread_barrier``: whichever name this Triton has. The arguments used
+- ``tma_load`` / ``tma_store`` / ``thread_barrier`` / ``cp_async``: whichever name this Triton has. The arguments used
   here are the same in both.
 - ``VERSION_OK``: this Triton's Gluon builds of these kernels have been run on a GPU (3.6). The
   ``supported()`` checks that route work to the Gluon kernels ask for it, so a newer Triton runs the
@@ -20,6 +20,7 @@ import warnings
 
 import triton
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 TESTED = ((3, 6),)
@@ -38,6 +39,10 @@ VERSION_OK = _version(triton.__version__) in TESTED or os.environ.get("MLA_ATTN_
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a CTA-wide barrier, no arguments
+# cp.async (per-thread 16-byte copies into shared memory; masked elements are zero-filled) and the arrival
+# on an mbarrier when this thread's copies have landed: 3.9 renamed the copy to async_load.
+cp_async = getattr(_async_copy, "async_load", None) or _async_copy.async_copy_global_to_shared
+cp_async_arrive = _async_copy.mbarrier_arrive
 
 _warned = False
 

@@ -160,6 +160,28 @@ def test_gluon_mla_schedules(page, splits, s_once, pv_first, dedicated, monkeypa
     _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("splits", [None, 3], ids=lambda x: f"splits{x}")
+@pytest.mark.parametrize("page", [1, 4, 16, 32, 48], ids=lambda x: f"page{x}")
+def test_gluon_mla_small_pages_experimental(page, splits, monkeypatch):
+    """SMALL_PAGES (experimental, off): pages smaller than a 64-key tile (or not a multiple of it) gathered
+    by cp.async, each key looking its own page up. Shuffled block tables with 2**31 - 8 past each
+    sequence's last page, NaN in unused pages and page tails, lengths around the tiles and the pages,
+    splits that cut pages in two; the same float64 oracle and tolerances as the TMA-fed cases."""
+    monkeypatch.setattr(gm, "SMALL_PAGES", True)
+    monkeypatch.setattr(gm, "S_ONCE", True)
+    monkeypatch.setattr(gm, "DEDICATED", 1)
+    calls = _spy(monkeypatch)
+    lens = [0, 1, 63, 64, 65, 700, 1500, 129]
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=17 + page)
+    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
+                                   return_lse=True, impl="triton")
+    assert calls, "the Gluon MLA kernel did not take the small pages"
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+
+
 def test_round_splits_to_whole_combine_rounds():
     """Past 32 parts (one combine load round) the split count goes up to a whole number of rounds when
     the programs still fit in one wave, else down; 32 or fewer are left alone. Pure Python."""

@@ -86,6 +86,8 @@ try:
                                                                    warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import cp_async as _cp_async
+    from .._gluon_compat import cp_async_arrive as _cp_async_arrive
     from .._gluon_compat import thread_barrier as _thread_barrier
     from .._gluon_compat import tma_load as _tma_load
     from .._gluon_compat import warn_untested as _warn_untested
@@ -125,6 +127,12 @@ PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first,
 # registers, no spills). Correct on the H200 (c97a5b7) but slower: 3.242 us a tile against 2.203 for 1 in
 # the same probe run, so S under the softmax costs the P V warpgroups more than the overlap gains.
 DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
+# Pages smaller than a 64-key tile (GATHER): the loading warpgroup gathers each tile by cp.async, every key
+# looking its own page up (``_gather_tile``), instead of one TMA box a tile. With the dedicated scorer only.
+# EXPERIMENTAL, off, NOT YET RUN ON A GPU (session 17; compiled for sm_90a): such caches run the Triton
+# kernel, which at H = 128 reaches 0.52-0.66x of this kernel's contiguous rate (H200, afb81c9).
+# MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 routes them here.
+SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -164,6 +172,38 @@ if AVAILABLE:
         _tma_load(c_desc, [row, 0], bar, ka.index(s))
         _tma_load(c_desc, [row, 256], bar, kb.index(s))
         _tma_load(cr_desc, [row, 0], bar, kr.index(s))
+
+    @gluon.jit
+    def _gather_tile(ka, kb, kr, ready, t, lo, length, bt_row, stride_btp, C, CR, stride_c, stride_cr,
+                     PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr):
+        """GATHER (pages smaller than a tile): key tile t into ring stage t % STAGES by cp.async, 16 bytes a
+        copy, issued by every thread of the calling 4-warp partition; each thread's copies arrive on
+        ready[stage] when they land (the barrier counts 128 arrivals). Each of the 64 keys looks its own page
+        up; keys past the interval are neither looked up nor read: their rows are zero-filled."""
+        s = t % STAGES
+        g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        pos = lo + t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, g_layout))
+        valid = pos < lo + length
+        page = gl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=valid, other=0)
+        row = page.to(gl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, g_layout))
+        keep = valid[:, None]  # broadcast along a row: one predicate a 16-byte copy
+        c_rows = C + (row * stride_c)[:, None]
+        for j in gl.static_range(4):
+            _cp_async(ka.index(s).slice(j * 64, 64, dim=1), c_rows + (j * 64 + cols)[None, :], mask=keep)
+            _cp_async(kb.index(s).slice(j * 64, 64, dim=1), c_rows + (256 + j * 64 + cols)[None, :], mask=keep)
+        _cp_async(kr.index(s), CR + (row * stride_cr)[:, None] + cols[None, :], mask=keep)
+        _cp_async_arrive(ready.index(s), increment_count=False)
+
+    @gluon.jit
+    def _fill(c_desc, cr_desc, ka, kb, kr, ready, t, lo, length, c_row0, bt_row, stride_btp, C, CR, stride_c,
+              stride_cr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+        """Key tile t into its ring stage: TMA (contiguous, or pages of 64 keys or more), or GATHER."""
+        if GATHER:
+            _gather_tile(ka, kb, kr, ready, t, lo, length, bt_row, stride_btp, C, CR, stride_c, stride_cr, PAGE_SIZE,
+                         STAGES)
+        else:
+            _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t, lo, c_row0, bt_row, stride_btp, PAGED, PAGE_SIZE, STAGES)
 
     @gluon.jit
     def _producer(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, q_bar, ready, empty, q_row0, c_row0, lo,
@@ -344,11 +384,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, tp, n_tiles, length, STAGES: gl.constexpr,
-               o_layout: gl.constexpr):
+               o_layout: gl.constexpr, GATHER: gl.constexpr = False):
         """Issue acc = acc * alpha_tp + P_tp V_tp (this consumer's half) once P_tp is published."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         sp = tp % STAGES
         mbarrier.wait(ready.index(sp), (tp // STAGES) & 1)  # V_tp landed (visible to this warpgroup)
+        if GATHER:  # cp.async wrote the stage through the generic proxy; the wgmma reads it through the async one
+            fence_async_shared()
         mbarrier.wait(p_ready, tp & 1)
         alpha = a_smem.index(tp % 2).load(row_o)
         acc = acc * alpha[:, None]
@@ -532,7 +574,8 @@ if AVAILABLE:
     @gluon.jit
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
                    qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr, TR=None,
-                   tr_on=False, TRACE: gl.constexpr = False, EARLY_S: gl.constexpr = False):
+                   tr_on=False, TRACE: gl.constexpr = False, EARLY_S: gl.constexpr = False,
+                   GATHER: gl.constexpr = False):
         # EARLY_S (DEDICATED = 3, EXPERIMENTAL; correct, 47% slower a tile on the H200): S_{t+1} is issued as
         # soon as S_t is done and tile t + 1 has landed, so it runs on the tensor cores under the softmax and publish of
         # tile t (two score register sets; nothing is in flight at the loop's back edge). The scorer owns
@@ -560,11 +603,15 @@ if AVAILABLE:
         if EARLY_S:
             if n_tiles > 0:
                 mbarrier.wait(ready.index(0), 0)
+                if GATHER:
+                    fence_async_shared()
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(q_a, qb, qr, ka, kb, kr, 0, s_zero),))
                 for t in range(n_tiles):
                     nxt = t + 1
                     if nxt < n_tiles:
                         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                        if GATHER:
+                            fence_async_shared()
                         s_next = _scores(q_a, qb, qr, ka, kb, kr, nxt % STAGES, s_zero)
                     else:
                         s_next = warpgroup_mma_init(s_zero)  # the last tile: nothing to issue
@@ -576,6 +623,8 @@ if AVAILABLE:
         for t in range(0 if EARLY_S else n_tiles):
             st = t % STAGES
             mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+            if GATHER:  # cp.async wrote the stage through the generic proxy; the wgmma reads it through the async one
+                fence_async_shared()
             if TRACE:
                 _stamp(TR, tr_on, 0, t, 0)
             s = _scores(q_a, qb, qr, ka, kb, kr, st, s_zero)
@@ -606,7 +655,8 @@ if AVAILABLE:
     def _pv_sd(C: gl.constexpr, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem,
                q_bar, ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
-               TRACE: gl.constexpr = False):
+               TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
+               GATHER: gl.constexpr = False):
         # TRACE (scripts/trace_mla_decode.py): row 1 + C, tile t: 0 loop top, 1 P_t V_t issued (after its
         # waits), 2 P_t V_t done, 3 (C = 0) tile t + STAGES's loads issued; row 3 slot 1 + C: 0 start,
         # 1 (C = 0) the prologue's loads issued, 2 loop done, 3 output stores issued
@@ -620,8 +670,8 @@ if AVAILABLE:
             _load_q(ql_desc, qr_desc, qa, qb, qr, q_bar, q_row0)
             for i in gl.static_range(STAGES):
                 if i < n_tiles:
-                    _load_tile(c_desc, cr_desc, ka, kb, kr, ready, i, lo, c_row0, bt_row, stride_btp, PAGED,
-                               PAGE_SIZE, STAGES)
+                    _fill(c_desc, cr_desc, ka, kb, kr, ready, i, lo, length, c_row0, bt_row, stride_btp, c_ptr,
+                          cr_ptr, stride_c, stride_cr, PAGED, PAGE_SIZE, STAGES, GATHER)
             if TRACE:
                 _stamp(TR, tr_on, 3, 1, 1)
         else:
@@ -630,7 +680,7 @@ if AVAILABLE:
         for t in range(n_tiles):
             if TRACE:
                 _stamp(TR, tr_on, 1 + C, t, 0)
-            acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, t, n_tiles, length, STAGES, o_layout)
+            acc = _pv_s1(p_smem, kv, a_smem, ready, p_ready, acc, t, n_tiles, length, STAGES, o_layout, GATHER)
             if TRACE:
                 _stamp(TR, tr_on, 1 + C, t, 1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -641,8 +691,8 @@ if AVAILABLE:
             if C == 0:
                 if t + STAGES < n_tiles:  # refill tile t's stage once both P V warpgroups are done with it
                     mbarrier.wait(empty.index(t % STAGES), (t // STAGES) & 1)
-                    _load_tile(c_desc, cr_desc, ka, kb, kr, ready, t + STAGES, lo, c_row0, bt_row, stride_btp, PAGED,
-                               PAGE_SIZE, STAGES)
+                    _fill(c_desc, cr_desc, ka, kb, kr, ready, t + STAGES, lo, length, c_row0, bt_row, stride_btp,
+                          c_ptr, cr_ptr, stride_c, stride_cr, PAGED, PAGE_SIZE, STAGES, GATHER)
                     if TRACE:
                         _stamp(TR, tr_on, 1, t, 3)
         if TRACE:
@@ -661,25 +711,28 @@ if AVAILABLE:
     def _pv_sd0(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
-                TRACE: gl.constexpr = False):
+                TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
+                GATHER: gl.constexpr = False):
         _pv_sd(0, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES, TR, tr_on, TRACE)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER)
 
     @gluon.jit
     def _pv_sd1(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
-                TRACE: gl.constexpr = False):
+                TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
+                GATHER: gl.constexpr = False):
         _pv_sd(1, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES, TR, tr_on, TRACE)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER)
 
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
-                       PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = 0):
+                       PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = 0, c_ptr=None, cr_ptr=None, stride_c=0,
+                       stride_cr=0, GATHER: gl.constexpr = False):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -703,7 +756,10 @@ if AVAILABLE:
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=2)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            if GATHER:  # the loading warpgroup's 128 threads each arrive when their cp.asyncs land
+                mbarrier.init(ready.index(i), count=128)
+            else:
+                mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         # TRACE: program (0, 0, 0) stamps its tile loop (scripts/trace_mla_decode.py)
         tr_on = (gl.program_id(0) == 0) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
@@ -712,13 +768,15 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
                               LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2, TR, tr_on, TRACE,
-                              DEDICATED == 3)),
+                              DEDICATED == 3, GATHER)),
                 (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
-                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
+                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr,
+                           GATHER)),
                 (_pv_sd1, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
-                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE)),
+                           o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr,
+                           GATHER)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
         else:
             gl.warp_specialize([
@@ -753,7 +811,8 @@ def _is_hopper(device: torch.device) -> bool:
 
 def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
-    token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys."""
+    token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys (or,
+    with ``SMALL_PAGES`` and the dedicated scorer, of any size)."""
     if not (AVAILABLE and q_latent.is_cuda and _is_hopper(q_latent.device)):
         return False
     if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
@@ -773,7 +832,9 @@ def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     if kv_latent.dim() != 3 or kv_latent.shape[-1] != DC or k_rope.dim() != 3 or k_rope.shape[-1] != DR:
         return False
     if block_table is not None and kv_latent.shape[1] % BLOCK_N:
-        return False
+        # GATHER's 16-byte cp.asyncs need rows 16-element aligned as Triton sees integer arguments
+        if not (SMALL_PAGES and S_ONCE and DEDICATED and kv_latent.stride(1) % 16 == 0 and k_rope.stride(1) % 16 == 0):
+            return False
     return _rows(kv_latent) is not None and _rows(k_rope) is not None
 
 
@@ -813,7 +874,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
                      pv_first: int | None = None, dedicated: int | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
-    [B, max_pages] (P a multiple of 64), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
+    [B, max_pages] (P a multiple of 64; any P with the dedicated scorer, gathered by cp.async), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
     (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
     (None: ``triton_decode.choose_num_splits`` for one program per SM, then ``_round_splits``); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
@@ -859,6 +920,12 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     dedicated = int(DEDICATED if dedicated is None else dedicated) if kernel is _mla_decode_s1 else 0
     if dedicated:  # 12 warps: 168 registers each is what the register file holds
         consumer_regs = maxnreg = 168
+    gather = paged and page_size % BLOCK_N != 0
+    if gather and not dedicated:
+        raise ValueError(f"mla_decode_gluon: pages of {page_size} keys (not a multiple of {BLOCK_N}) need the "
+                         "dedicated-scorer schedule (s_once=True, dedicated >= 1)")
+    extra = {"c_ptr": kv_latent, "cr_ptr": k_rope, "stride_c": kv_latent.stride(1), "stride_cr": k_rope.stride(1),
+             "GATHER": True} if gather else {}
     kernel[(h // BLOCK_H, b, num_splits)](
         desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
@@ -866,7 +933,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
-           if kernel is _mla_decode_s1 else {}),
+           if kernel is _mla_decode_s1 else {}), **extra,
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
