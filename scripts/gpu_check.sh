@@ -53,9 +53,9 @@ if [ "${ONLY:-}" = smallpages ]; then
   # The Gluon MLA decode over pages smaller than 64 keys (SMALL_PAGES, experimental, off; ~3 minutes):
   # its tests in a hang-guarded step (a wrong mbarrier count hangs), then, if they pass, the MLA decode
   # bench with it routed (the page-1 rows take it; compare them with the contiguous [gluon] rows).
-  step "gluon MLA decode, small pages (experimental)" "$(lim 150)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
+  step "gluon MLA decode, small pages (experimental)" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
   if [ $status -eq 0 ]; then
-    step "bench MLA decode, small pages on the Gluon kernel" "$(lim 150)" env MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
+    step "bench MLA decode, small pages on the Gluon kernel" "$(lim 300)" env MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
   fi
   echo "gpu_check status: $status"
   exit $status
