@@ -173,7 +173,11 @@ def bench_mla(args, gen, rows, configs=None):
                 layered[f"{name} [gluon]"] = layered[name]
                 cands[f"{name} [triton kernel]"] = _no_gluon(cands[f"{name} [gluon]"])
                 layered[f"{name} [triton kernel]"] = (lambda mk=layered.pop(name): _no_gluon(mk()))
-            cands["triton-paged1"] = cands.pop("triton-paged1")  # keep the table's order
+            if td._gluon_mla_takes(q4, qr4, pool1[..., :DC], pool1[..., DC:], table1, None):  # SMALL_PAGES
+                cands["triton-paged1 [gluon]"] = cands.pop("triton-paged1")
+                cands["triton-paged1 [triton kernel]"] = _no_gluon(cands["triton-paged1 [gluon]"])
+            else:
+                cands["triton-paged1"] = cands.pop("triton-paged1")  # keep the table's order
         if args.balance_variants:
             for name in [k for k in cands if k.startswith("triton") and "paged1" not in k]:
                 for on in (True, False):

@@ -6,8 +6,8 @@
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
 #   ONLY=fwdprobe bash scripts/gpu_check.sh [OUTDIR]   diagnostics of the Gluon forward: experimental schedules'
 #     tests and bench, clock64 trace, block timeline
-#   ONLY=smallpages bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode over pages < 64 keys (experimental):
-#     its tests, then the MLA decode bench with it routed
+#   ONLY=smallpages bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode over pages < 64 keys:
+#     its tests, then the MLA decode bench
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -50,12 +50,12 @@ if [ "${ONLY:-}" = gluon ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = smallpages ]; then
-  # The Gluon MLA decode over pages smaller than 64 keys (SMALL_PAGES, experimental, off; ~3 minutes):
-  # its tests in a hang-guarded step (a wrong mbarrier count hangs), then, if they pass, the MLA decode
-  # bench with it routed (the page-1 rows take it; compare them with the contiguous [gluon] rows).
-  step "gluon MLA decode, small pages (experimental)" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
+  # The Gluon MLA decode over pages smaller than 64 keys (SMALL_PAGES, on; ~2 minutes): its tests in a
+  # hang-guarded step (a wrong mbarrier count hangs), then, if they pass, the MLA decode bench (its
+  # paged1 rows time the Gluon kernel and the Triton kernel side by side).
+  step "gluon MLA decode, small pages" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
   if [ $status -eq 0 ]; then
-    step "bench MLA decode, small pages on the Gluon kernel" "$(lim 300)" env MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
+    step "bench MLA decode, small pages" "$(lim 300)" $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
   fi
   echo "gpu_check status: $status"
   exit $status

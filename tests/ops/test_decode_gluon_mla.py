@@ -91,7 +91,8 @@ def test_gluon_mla_through_the_op(case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
 def test_gluon_mla_not_taken_where_it_does_not_apply(monkeypatch):
-    """H = 16, two new tokens, pages of 16 keys: the Triton kernel, still correct."""
+    """H = 16, two new tokens, pages of 16 keys with SMALL_PAGES off: the Triton kernel, still correct."""
+    monkeypatch.setattr(gm, "SMALL_PAGES", False)
     calls = _spy(monkeypatch)
     for h, s, page in ((16, 1, 64), (128, 2, 64), (128, 1, 16)):
         ql, qr, c, kr, seq_lens, table = _mla_inputs(2, h, 512, 64, s, [100, 300], page, BF16)
@@ -164,8 +165,8 @@ def test_gluon_mla_schedules(page, splits, s_once, pv_first, dedicated, monkeypa
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
 @pytest.mark.parametrize("splits", [None, 3], ids=lambda x: f"splits{x}")
 @pytest.mark.parametrize("page", [1, 4, 16, 32, 48], ids=lambda x: f"page{x}")
-def test_gluon_mla_small_pages_experimental(page, splits, monkeypatch):
-    """SMALL_PAGES (experimental, off): pages smaller than a 64-key tile (or not a multiple of it) gathered
+def test_gluon_mla_small_pages(page, splits, monkeypatch):
+    """SMALL_PAGES (on by default): pages smaller than a 64-key tile (or not a multiple of it) gathered
     by cp.async, each key looking its own page up. Shuffled block tables with 2**31 - 8 past each
     sequence's last page, NaN in unused pages and page tails, lengths around the tiles and the pages,
     splits that cut pages in two; the same float64 oracle and tolerances as the TMA-fed cases."""

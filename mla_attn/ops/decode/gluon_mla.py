@@ -129,10 +129,11 @@ PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first,
 DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
 # Pages smaller than a 64-key tile (GATHER): the loading warpgroup gathers each tile by cp.async, every key
 # looking its own page up (``_gather_tile``), instead of one TMA box a tile. With the dedicated scorer only.
-# EXPERIMENTAL, off, NOT YET RUN ON A GPU (session 17; compiled for sm_90a): such caches run the Triton
-# kernel, which at H = 128 reaches 0.52-0.66x of this kernel's contiguous rate (H200, afb81c9).
-# MLA_ATTN_GLUON_MLA_SMALL_PAGES=1 routes them here.
-SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "0") == "1"
+# On by default: on the H200 (5efecc6, graph replays, H = 128) pages of 1 key ran at 0.91-0.94x of this
+# kernel's contiguous rate (B 1 / 16 / 64 / 128: 37.9 / 89.5 / 157.0 / 616.3 us against 35.7 / 82.3 / 145.9 /
+# 563.8), where the Triton kernel they ran on before reached 0.52-0.66x (afb81c9). Tests: pages 1, 4, 16,
+# 32, 48 with and without splits. MLA_ATTN_GLUON_MLA_SMALL_PAGES=0 sends such caches to the Triton kernel.
+SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "1") != "0"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
