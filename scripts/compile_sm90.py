@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
+    ap.add_argument("--rows", type=int, default=64, help="gluon_mla --s-once --dedicated 1: ROWS, heads < 64 (SMALL_HEADS)")
     ap.add_argument("--gather", type=int, default=0, metavar="PAGE",
                     help="gluon_mla --s-once --dedicated 1: GATHER, pages of PAGE keys gathered by cp.async")
     ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
@@ -173,6 +174,8 @@ def main():
                 const.update(TR=None, TRACE=False)
             const["PV_FIRST"] = args.pv_first
             const["DEDICATED"] = args.dedicated
+            if args.rows != 64:  # fewer than 64 heads (SMALL_HEADS)
+                const["ROWS"] = args.rows
             if args.gather:  # pages smaller than a tile, gathered by cp.async (SMALL_PAGES)
                 ptrs.update(c_ptr="*bf16", cr_ptr="*bf16")
                 const.update(PAGED=True, PAGE_SIZE=args.gather, GATHER=True)

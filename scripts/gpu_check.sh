@@ -8,6 +8,8 @@
 #     tests and bench, clock64 trace, block timeline
 #   ONLY=smallpages bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode over pages < 64 keys:
 #     its tests, then the MLA decode bench
+#   ONLY=smallheads bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode with H < 64 (experimental):
+#     its tests, then the MLA decode bench with it routed
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -56,6 +58,17 @@ if [ "${ONLY:-}" = smallpages ]; then
   step "gluon MLA decode, small pages" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
   if [ $status -eq 0 ]; then
     step "bench MLA decode, small pages" "$(lim 300)" $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
+  fi
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = smallheads ]; then
+  # The Gluon MLA decode with fewer than 64 heads (SMALL_HEADS, experimental, off; ~2 minutes): its tests
+  # hang-guarded, then, if they pass, the MLA decode bench with it routed (the H = 16 rows then time the
+  # Gluon kernel and the Triton kernel side by side).
+  step "gluon MLA decode, small heads (experimental)" "$(lim 180)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_heads 2>&1 | tee '$out/gpu_gluon_mla_small_heads.log' | tail -8; exit \${PIPESTATUS[0]}"
+  if [ $status -eq 0 ]; then
+    step "bench MLA decode, small heads on the Gluon kernel" "$(lim 200)" env MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_heads.md"
   fi
   echo "gpu_check status: $status"
   exit $status

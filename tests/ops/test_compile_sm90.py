@@ -36,6 +36,7 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged",
     "gluon_mla 64,64,4,2 --s-once --dedicated 0",
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --gather 1",  # SMALL_PAGES: pages of 1 key
+    "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged --rows 16",  # SMALL_HEADS (experimental)
     "gluon_ws 128,128,4,2",
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --schedule 0 --block-trace",
     "fwd 128,64,8,3",  # the Triton kernels

@@ -134,6 +134,13 @@ DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
 # 563.8), where the Triton kernel they ran on before reached 0.52-0.66x (afb81c9). Tests: pages 1, 4, 16,
 # 32, 48 with and without splits. MLA_ATTN_GLUON_MLA_SMALL_PAGES=0 sends such caches to the Triton kernel.
 SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "1") != "0"
+# Fewer than 64 heads (SMALL_HEADS; H = 16 is DeepSeek-V2-Lite's, and any tensor-parallel shard of 128
+# heads over 8 GPUs): one 64-row head tile a sequence, its rows past H filled with the next sequence's
+# queries by the TMA box (or zeros past the last), computed and never stored. The memory-bound H = 16 then
+# runs on this kernel's tile rate (about 2.6 us a 64-key tile an SM at H = 128, i.e. ~3.8 TB/s of cache
+# if the loads keep up) instead of the Triton kernel's 3.36-3.57 TB/s. With the dedicated scorer only.
+# EXPERIMENTAL, off: MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 routes such calls here.
+SMALL_HEADS = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_HEADS", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -576,7 +583,7 @@ if AVAILABLE:
     def _scorer_sd(qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar, LSE,
                    qk_scale, length, n_tiles, o_row0, STAGES: gl.constexpr, QA_REGS: gl.constexpr, TR=None,
                    tr_on=False, TRACE: gl.constexpr = False, EARLY_S: gl.constexpr = False,
-                   GATHER: gl.constexpr = False):
+                   GATHER: gl.constexpr = False, ROWS: gl.constexpr = 64):
         # EARLY_S (DEDICATED = 3, EXPERIMENTAL; correct, 47% slower a tile on the H200): S_{t+1} is issued as
         # soon as S_t is done and tile t + 1 has landed, so it runs on the tensor cores under the softmax and publish of
         # tile t (two score register sets; nothing is in flight at the loop's back edge). The scorer owns
@@ -648,7 +655,11 @@ if AVAILABLE:
             _stamp(TR, tr_on, 3, 0, 2)
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
-        gl.store(LSE + o_row0 + gl.arange(0, 64, layout=row_s), lse)
+        l_r = gl.arange(0, 64, layout=row_s)
+        if ROWS < 64:  # SMALL_HEADS: the tile's rows past H are the next sequence's queries (or TMA zeros)
+            gl.store(LSE + o_row0 + l_r, lse, mask=l_r < ROWS)
+        else:
+            gl.store(LSE + o_row0 + l_r, lse)
         if TRACE:
             _stamp(TR, tr_on, 3, 0, 3)
 
@@ -657,7 +668,7 @@ if AVAILABLE:
                q_bar, ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
                TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
-               GATHER: gl.constexpr = False):
+               GATHER: gl.constexpr = False, ROWS: gl.constexpr = 64):
         # TRACE (scripts/trace_mla_decode.py): row 1 + C, tile t: 0 loop top, 1 P_t V_t issued (after its
         # waits), 2 P_t V_t done, 3 (C = 0) tile t + STAGES's loads issued; row 3 slot 1 + C: 0 start,
         # 1 (C = 0) the prologue's loads issued, 2 loop done, 3 output stores issued
@@ -704,7 +715,11 @@ if AVAILABLE:
         o = acc * (1.0 / gl.where(l_fin == 0.0, 1.0, l_fin))[:, None]
         o_r = gl.arange(0, 64, layout=row_o)
         o_d = C * 256 + gl.arange(0, 256, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :], o.to(O.dtype.element_ty))
+        o_ptrs = O + (o_row0 + o_r.to(gl.int64))[:, None] * 512 + o_d[None, :]
+        if ROWS < 64:  # SMALL_HEADS: only this sequence's H rows are stored
+            gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(o_r < ROWS)[:, None])
+        else:
+            gl.store(o_ptrs, o.to(O.dtype.element_ty))
         if TRACE:
             _stamp(TR, tr_on, 3, 1 + C, 3)
 
@@ -713,27 +728,27 @@ if AVAILABLE:
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
                 TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
-                GATHER: gl.constexpr = False):
+                GATHER: gl.constexpr = False, ROWS: gl.constexpr = 64):
         _pv_sd(0, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER, ROWS)
 
     @gluon.jit
     def _pv_sd1(ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready, empty,
                 p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0,
                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr, TR=None, tr_on=False,
                 TRACE: gl.constexpr = False, c_ptr=None, cr_ptr=None, stride_c=0, stride_cr=0,
-                GATHER: gl.constexpr = False):
+                GATHER: gl.constexpr = False, ROWS: gl.constexpr = 64):
         _pv_sd(1, ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar, ready,
                empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles, o_row0, PAGED,
-               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER)
+               PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr, GATHER, ROWS)
 
     @gluon.jit
     def _mla_decode_s1(ql_desc, qr_desc, c_desc, cr_desc, SEQ_LENS, BT, O, LSE, qk_scale, H, N, B, num_splits,
                        stride_btb, stride_btp, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
                        PV_FIRST: gl.constexpr = 0, DEDICATED: gl.constexpr = 0, c_ptr=None, cr_ptr=None, stride_c=0,
-                       stride_cr=0, GATHER: gl.constexpr = False):
+                       stride_cr=0, GATHER: gl.constexpr = False, ROWS: gl.constexpr = 64):
         lo, length, n_tiles, q_row0, c_row0, bt_row, o_row0 = _program_rows(SEQ_LENS, BT, H, N, B, num_splits,
                                                                              stride_btb)
         dtype: gl.constexpr = ql_desc.dtype
@@ -769,15 +784,15 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_scorer_sd, (qa, qb, qr, ka, kb, kr, p_smem, m_smem, l_smem, a_smem, ready, p_ready, p_free, q_bar,
                               LSE, qk_scale, length, n_tiles, o_row0, STAGES, DEDICATED == 2, TR, tr_on, TRACE,
-                              DEDICATED == 3, GATHER)),
+                              DEDICATED == 3, GATHER, ROWS)),
                 (_pv_sd0, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
                            o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr,
-                           GATHER)),
+                           GATHER, ROWS)),
                 (_pv_sd1, (ql_desc, qr_desc, c_desc, cr_desc, qa, qb, qr, ka, kb, kr, p_smem, l_smem, a_smem, q_bar,
                            ready, empty, p_ready, p_free, O, q_row0, c_row0, lo, bt_row, stride_btp, length, n_tiles,
                            o_row0, PAGED, PAGE_SIZE, STAGES, TR, tr_on, TRACE, c_ptr, cr_ptr, stride_c, stride_cr,
-                           GATHER)),
+                           GATHER, ROWS)),
             ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
         else:
             gl.warp_specialize([
@@ -812,7 +827,7 @@ def _is_hopper(device: torch.device) -> bool:
 
 def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
-    token, heads a multiple of 64, cache rows readable by TMA in place, pages a multiple of 64 keys (or,
+    token, heads a multiple of 64 (or fewer than 64 with ``SMALL_HEADS``), cache rows readable by TMA in place, pages a multiple of 64 keys (or,
     with ``SMALL_PAGES`` and the dedicated scorer, of any size)."""
     if not (AVAILABLE and q_latent.is_cuda and _is_hopper(q_latent.device)):
         return False
@@ -828,7 +843,9 @@ def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
             return False
     elif q_latent.dim() != 3:
         return False
-    if q_latent.shape[-1] != DC or q_rope.shape[-1] != DR or q_latent.shape[1] % BLOCK_H:
+    if q_latent.shape[-1] != DC or q_rope.shape[-1] != DR:
+        return False
+    if q_latent.shape[1] % BLOCK_H and not (SMALL_HEADS and q_latent.shape[1] < BLOCK_H and S_ONCE and DEDICATED):
         return False
     if kv_latent.dim() != 3 or kv_latent.shape[-1] != DC or k_rope.dim() != 3 or k_rope.shape[-1] != DR:
         return False
@@ -897,8 +914,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     capacity = block_table.shape[1] * page_size if paged else n
     if num_splits is None:
         sms = _num_sms(q_latent.device)
-        num_splits = _round_splits(choose_num_splits(b, h // BLOCK_H, capacity, sms, block_n=BLOCK_N),
-                                   b * (h // BLOCK_H), sms)
+        tiles = -(-h // BLOCK_H)
+        num_splits = _round_splits(choose_num_splits(b, tiles, capacity, sms, block_n=BLOCK_N), b * tiles, sms)
     o = _alloc(tuple(lead) + (DC,), dtype=q_latent.dtype, device=q_latent.device)
     lse = _alloc(tuple(lead), dtype=torch.float32, device=q_latent.device)
     if b * h == 0:
@@ -922,19 +939,26 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     if dedicated:  # 12 warps: 168 registers each is what the register file holds
         consumer_regs = maxnreg = 168
     gather = paged and page_size % BLOCK_N != 0
+    if h % BLOCK_H and (h > BLOCK_H or not dedicated):
+        raise ValueError(f"mla_decode_gluon: {h} heads (not a multiple of {BLOCK_H}) need fewer than {BLOCK_H} heads "
+                         "and the dedicated-scorer schedule (s_once=True, dedicated >= 1)")
+    if h < BLOCK_H:
+        extra_rows = {"ROWS": h}
+    else:
+        extra_rows = {}
     if gather and not dedicated:
         raise ValueError(f"mla_decode_gluon: pages of {page_size} keys (not a multiple of {BLOCK_N}) need the "
                          "dedicated-scorer schedule (s_once=True, dedicated >= 1)")
     extra = {"c_ptr": kv_latent, "cr_ptr": k_rope, "stride_c": kv_latent.stride(1), "stride_cr": k_rope.stride(1),
              "GATHER": True} if gather else {}
-    kernel[(h // BLOCK_H, b, num_splits)](
+    kernel[(-(-h // BLOCK_H), b, num_splits)](
         desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
         scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
-           if kernel is _mla_decode_s1 else {}), **extra,
+           if kernel is _mla_decode_s1 else {}), **extra, **extra_rows,
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
