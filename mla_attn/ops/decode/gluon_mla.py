@@ -137,9 +137,14 @@ SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "1") != "0"
 # Fewer than 64 heads (SMALL_HEADS; H = 16 is DeepSeek-V2-Lite's, and any tensor-parallel shard of 128
 # heads over 8 GPUs): one 64-row head tile a sequence, its rows past H filled with the next sequence's
 # queries by the TMA box (or zeros past the last), computed and never stored. The memory-bound H = 16 then
-# runs on this kernel's tile rate (about 2.6 us a 64-key tile an SM at H = 128, i.e. ~3.8 TB/s of cache
-# if the loads keep up) instead of the Triton kernel's 3.36-3.57 TB/s. With the dedicated scorer only.
-# EXPERIMENTAL, off: MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 routes such calls here.
+# would run at this kernel's tile rate: about 2.6 us a 64-key tile an SM at H = 128, i.e. ~3.8 TB/s of
+# cache if the loads kept up. The Triton kernel gets 3.36-3.57 TB/s. With the dedicated scorer only.
+# EXPERIMENTAL, off. Correct on the H200 (3c2ee83, 7/7 tests) but no faster. The loads did not keep up:
+# two 74 KB stages a program are too few bytes in flight for a memory-bound loop. Graph replays at H = 16:
+# - B 128 L 4096: 3461 GB/s against the Triton kernel's 3601.
+# - B 64 L 8192: 3349 against 3480; paged 64: 3326 against 3371.
+# - 8-layer steps: 3366-3687 against 3570-3872.
+# MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 routes such calls here.
 SMALL_HEADS = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_HEADS", "0") == "1"
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
