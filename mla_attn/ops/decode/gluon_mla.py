@@ -832,8 +832,8 @@ def _is_hopper(device: torch.device) -> bool:
 
 def supported(q_latent, q_rope, kv_latent, k_rope, block_table=None) -> bool:
     """Whether :func:`mla_decode_gluon` takes these inputs: Hopper, bf16/fp16, Dc = 512, Dr = 64, one new
-    token, heads a multiple of 64 (or fewer than 64 with ``SMALL_HEADS``), cache rows readable by TMA in place, pages a multiple of 64 keys (or,
-    with ``SMALL_PAGES`` and the dedicated scorer, of any size)."""
+    token, heads a multiple of 64 (or fewer than 64 with ``SMALL_HEADS``), cache rows readable by TMA in
+    place, pages a multiple of 64 keys (or, with ``SMALL_PAGES`` and the dedicated scorer, of any size)."""
     if not (AVAILABLE and q_latent.is_cuda and _is_hopper(q_latent.device)):
         return False
     if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
@@ -897,8 +897,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
                      pv_first: int | None = None, dedicated: int | None = None):
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
-    [B, max_pages] (P a multiple of 64; any P with the dedicated scorer, gathered by cp.async), views into one [..., 576] buffer or not; seq_lens int32 [B] ->
-    (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
+    [B, max_pages] (P a multiple of 64; any P with the dedicated scorer, gathered by cp.async), views into
+    one [..., 576] buffer or not; seq_lens int32 [B] -> (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
     (None: ``triton_decode.choose_num_splits`` for one program per SM, then ``_round_splits``); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
     just called :func:`supported` on these inputs (the op's router), so it is not asked again.

@@ -556,7 +556,8 @@ def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_spl
 
 
 # The Gluon MLA decode kernel (gluon_mla.py: Hopper, warp-specialised, H a multiple of 64, one new token,
-# any page size: pages under 64 keys are gathered by cp.async, gluon_mla.SMALL_PAGES) takes the absorbed MLA decode wherever it applies. With its default schedule
+# any page size: pages under 64 keys are gathered by cp.async, gluon_mla.SMALL_PAGES) takes the absorbed
+# MLA decode wherever it applies. With its default schedule
 # (each score tile once, gluon_mla.S_ONCE) it beat the Triton kernel at every H = 128 benchmark row on
 # the H200 (62a93a0, graph replays): B 1 / 16 / 64 / 128 in 48.7 / 118.8 / 210.1 / 776.3 us against
 # 51.1 / 136.4 / 248.2 / 890.5, the last against the Triton kernel's balanced split.
