@@ -51,28 +51,22 @@ if [ "${ONLY:-}" = gluon ]; then
   echo "gpu_check status: $status"
   exit $status
 fi
-if [ "${ONLY:-}" = smallpages ]; then
-  # The Gluon MLA decode over pages smaller than 64 keys (SMALL_PAGES, on; ~2 minutes): its tests in a
-  # hang-guarded step (a wrong mbarrier count hangs), then, if they pass, the MLA decode bench (its
-  # paged1 rows time the Gluon kernel and the Triton kernel side by side).
-  step "gluon MLA decode, small pages" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_pages 2>&1 | tee '$out/gpu_gluon_mla_small_pages.log' | tail -8; exit \${PIPESTATUS[0]}"
+# One Gluon MLA decode variant: its tests (-k KEY) in a hang-guarded step (a wrong mbarrier count hangs),
+# then, if they pass, the MLA decode bench under ENV (the rows it takes time the Gluon kernel and the
+# Triton kernel side by side). ~2 minutes.
+mla_variant() {  # mla_variant KEY TITLE [ENV=VALUE ...]
+  local key=$1 title=$2; shift 2
+  step "gluon MLA decode, $title" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k $key 2>&1 | tee '$out/gpu_gluon_mla_$key.log' | tail -8; exit \${PIPESTATUS[0]}"
   if [ $status -eq 0 ]; then
-    step "bench MLA decode, small pages" "$(lim 300)" $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_pages.md"
+    step "bench MLA decode, $title" "$(lim 300)" env "$@" $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_$key.md"
   fi
   echo "gpu_check status: $status"
   exit $status
-fi
-if [ "${ONLY:-}" = smallheads ]; then
-  # The Gluon MLA decode with fewer than 64 heads (SMALL_HEADS, experimental, off; ~2 minutes): its tests
-  # hang-guarded, then, if they pass, the MLA decode bench with it routed (the H = 16 rows then time the
-  # Gluon kernel and the Triton kernel side by side).
-  step "gluon MLA decode, small heads (experimental)" "$(lim 180)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_gluon_mla.py -k small_heads 2>&1 | tee '$out/gpu_gluon_mla_small_heads.log' | tail -8; exit \${PIPESTATUS[0]}"
-  if [ $status -eq 0 ]; then
-    step "bench MLA decode, small heads on the Gluon kernel" "$(lim 200)" env MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 $PY scripts/bench_decode.py --graph --only mla --out "$out/bench_decode_small_heads.md"
-  fi
-  echo "gpu_check status: $status"
-  exit $status
-fi
+}
+# SMALL_PAGES (on): pages smaller than 64 keys
+[ "${ONLY:-}" = smallpages ] && mla_variant small_pages "small pages"
+# SMALL_HEADS (experimental, off): fewer than 64 heads, routed for the bench
+[ "${ONLY:-}" = smallheads ] && mla_variant small_heads "small heads (experimental)" MLA_ATTN_GLUON_MLA_SMALL_HEADS=1
 if [ "${ONLY:-}" = fwdprobe ]; then
   # Diagnostics of the Gluon forward (one device call, ~6 minutes): the experimental schedules' tests
   # (persistent, S1_EARLY; reported, they do not fail the check), the clock64 trace of one program's

@@ -53,6 +53,20 @@ def _spy(monkeypatch):
     return calls
 
 
+MIXED_LENS = [0, 1, 63, 64, 65, 700, 1500, 129]  # around the 64-key tiles, and long enough to split
+
+
+def _check_op(calls, h, page, splits, seed, what="the Gluon MLA kernel did not run"):
+    """One op call over MIXED_LENS (NaN in unused slots, shuffled block tables when paged) against the
+    float64 oracle, with the Gluon kernel's call counted by ``_spy``."""
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(MIXED_LENS), h, 512, 64, 1, MIXED_LENS, page, BF16, seed=seed)
+    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
+                                   return_lse=True, impl="triton")
+    assert calls, what
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+
+
 # (H, page size or None, num_splits, separate latent / rope buffers, query scale)
 OP_CASES = [
     (128, 64, None, False, 1.0),
@@ -151,14 +165,7 @@ def test_gluon_mla_schedules(page, splits, s_once, pv_first, dedicated, monkeypa
     monkeypatch.setattr(gm, "S_ONCE", s_once)
     monkeypatch.setattr(gm, "PV_FIRST", pv_first)
     monkeypatch.setattr(gm, "DEDICATED", dedicated)
-    calls = _spy(monkeypatch)
-    lens = [0, 1, 63, 64, 65, 700, 1500, 129]
-    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=11)
-    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
-                                   return_lse=True, impl="triton")
-    assert calls
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
-    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+    _check_op(_spy(monkeypatch), 128, page, splits, seed=11)
 
 
 @pytest.mark.gpu
@@ -173,14 +180,8 @@ def test_gluon_mla_small_pages(page, splits, monkeypatch):
     monkeypatch.setattr(gm, "SMALL_PAGES", True)
     monkeypatch.setattr(gm, "S_ONCE", True)
     monkeypatch.setattr(gm, "DEDICATED", 1)
-    calls = _spy(monkeypatch)
-    lens = [0, 1, 63, 64, 65, 700, 1500, 129]
-    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), 128, 512, 64, 1, lens, page, BF16, seed=17 + page)
-    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
-                                   return_lse=True, impl="triton")
-    assert calls, "the Gluon MLA kernel did not take the small pages"
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
-    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+    _check_op(_spy(monkeypatch), 128, page, splits, seed=17 + page,
+              what="the Gluon MLA kernel did not take the small pages")
 
 
 SMALL_HEAD_CASES = [(16, None, None), (16, 64, 3), (16, 1, None), (1, None, 2), (63, 16, None), (3, 64, None),
@@ -198,14 +199,8 @@ def test_gluon_mla_small_heads_experimental(h, page, splits, monkeypatch):
     monkeypatch.setattr(gm, "SMALL_HEADS", True)
     monkeypatch.setattr(gm, "S_ONCE", True)
     monkeypatch.setattr(gm, "DEDICATED", 1)
-    calls = _spy(monkeypatch)
-    lens = [0, 1, 63, 64, 65, 700, 1500, 129]
-    ql, qr, c, kr, seq_lens, table = _mla_inputs(len(lens), h, 512, 64, 1, lens, page, BF16, seed=29 + h)
-    o, lse = decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
-                                   return_lse=True, impl="triton")
-    assert calls, "the Gluon MLA kernel did not take the small head count"
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
-    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+    _check_op(_spy(monkeypatch), h, page, splits, seed=29 + h,
+              what="the Gluon MLA kernel did not take the small head count")
 
 
 def test_round_splits_to_whole_combine_rounds():

@@ -898,7 +898,8 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     """Absorbed MLA decode on Hopper: q_latent [B, H, (1,) 512], q_rope [B, H, (1,) 64]; kv_latent / k_rope
     contiguous [B, N, 512] / [B, N, 64] or paged [num_pages, P, 512] / [num_pages, P, 64] with block_table
     [B, max_pages] (P a multiple of 64; any P with the dedicated scorer, gathered by cp.async), views into
-    one [..., 576] buffer or not; seq_lens int32 [B] -> (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)] float32). num_splits: KV intervals per sequence
+    one [..., 576] buffer or not; seq_lens int32 [B] -> (o [B, H, (1,) 512] in q's dtype, lse [B, H, (1,)]
+    float32). num_splits: KV intervals per sequence
     (None: ``triton_decode.choose_num_splits`` for one program per SM, then ``_round_splits``); their partials are merged by
     ``combine.combine_splits``. See the module docstring for the schedule. ``checked``: the caller has
     just called :func:`supported` on these inputs (the op's router), so it is not asked again.
@@ -943,19 +944,18 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     dedicated = int(DEDICATED if dedicated is None else dedicated) if kernel is _mla_decode_s1 else 0
     if dedicated:  # 12 warps: 168 registers each is what the register file holds
         consumer_regs = maxnreg = 168
+    # The two variants below need the dedicated scorer; supported() checks the module defaults, this the call's.
     gather = paged and page_size % BLOCK_N != 0
-    if h % BLOCK_H and (h > BLOCK_H or not dedicated):
-        raise ValueError(f"mla_decode_gluon: {h} heads (not a multiple of {BLOCK_H}) need fewer than {BLOCK_H} heads "
-                         "and the dedicated-scorer schedule (s_once=True, dedicated >= 1)")
-    if h < BLOCK_H:
-        extra_rows = {"ROWS": h}
-    else:
-        extra_rows = {}
     if gather and not dedicated:
         raise ValueError(f"mla_decode_gluon: pages of {page_size} keys (not a multiple of {BLOCK_N}) need the "
                          "dedicated-scorer schedule (s_once=True, dedicated >= 1)")
+    if h % BLOCK_H and (h > BLOCK_H or not dedicated):
+        raise ValueError(f"mla_decode_gluon: {h} heads (not a multiple of {BLOCK_H}) need fewer than {BLOCK_H} heads "
+                         "and the dedicated-scorer schedule (s_once=True, dedicated >= 1)")
     extra = {"c_ptr": kv_latent, "cr_ptr": k_rope, "stride_c": kv_latent.stride(1), "stride_cr": k_rope.stride(1),
              "GATHER": True} if gather else {}
+    if h < BLOCK_H:  # SMALL_HEADS: the O / LSE stores keep the first h rows of the tile
+        extra["ROWS"] = h
     kernel[(-(-h // BLOCK_H), b, num_splits)](
         desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
         desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
@@ -963,7 +963,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
-           if kernel is _mla_decode_s1 else {}), **extra, **extra_rows,
+           if kernel is _mla_decode_s1 else {}), **extra,
     )
     if num_splits > 1:
         combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
