@@ -118,6 +118,32 @@ def _balanced(fn, on):
     return run
 
 
+def _fused(fn, on):
+    """fn with the decode's fused merge (triton_decode.FUSED_MERGE) forced on or off while it launches."""
+    from mla_attn.ops.decode import triton_decode
+
+    def run():
+        saved = triton_decode.FUSED_MERGE
+        triton_decode.FUSED_MERGE = on
+        try:
+            return fn()
+        finally:
+            triton_decode.FUSED_MERGE = saved
+
+    return run
+
+
+def _fused_variants(cands, layered, names):
+    """Add 'NAME fused' / 'NAME combine' rows (both the call and its 8-layer step) for each name, in
+    alternating order so that drift in the GPU's clocks does not favour one side."""
+    for name in names:
+        for i, on in enumerate((True, False, True, False)):
+            tag = f"{name} {'fused' if on else 'combine'} #{i // 2 + 1}"
+            cands[tag] = _fused(cands[name], on)
+            if name in layered:
+                layered[tag] = (lambda mk=layered[name], on=on: _fused(mk(), on))
+
+
 def _no_gluon(fn):
     """fn with the Gluon MLA kernel switched off while it runs (and while a graph of it is captured)."""
     from mla_attn.ops.decode import triton_decode as td
@@ -141,6 +167,8 @@ def bench_mla(args, gen, rows, configs=None):
 
     dev = "cuda"
     for b, h, length in MLA_SHAPES:
+        if args.shapes and f"mla{b}x{h}" not in args.shapes.split(","):
+            continue
         torch.cuda.empty_cache()
         seq_lens = _varlen(b, length, gen, dev)
         tokens = int(seq_lens.sum())
@@ -182,6 +210,8 @@ def bench_mla(args, gen, rows, configs=None):
             for name in [k for k in cands if k.startswith("triton") and "paged1" not in k]:
                 for on in (True, False):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
+        if args.fused_variants and h <= 16:
+            _fused_variants(cands, layered, ["triton", "triton-paged64"])
         if configs and (b, h, length) in SWEEP_MLA:
             for name, cfg in configs(h).items():
                 cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
@@ -210,6 +240,8 @@ def bench_gqa(args, gen, rows, configs=None):
 
     dev, d = "cuda", 128
     for b, hq, hkv, length in GQA_SHAPES:
+        if args.shapes and f"gqa{b}" not in args.shapes.split(","):
+            continue
         torch.cuda.empty_cache()
         seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)  # SDPA has no varlen decode
         tokens = b * length
@@ -240,6 +272,8 @@ def bench_gqa(args, gen, rows, configs=None):
             for name in ("triton", "triton-paged64"):
                 for on in (True, False):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
+        if args.fused_variants:
+            _fused_variants(cands, layered, ["triton", "triton-paged64"])
         if configs:
             for name, cfg in configs(hq // hkv).items():
                 cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
@@ -351,6 +385,10 @@ def main():
                     help="with --graph: also time N steps over N cache copies in one graph, per step (0: off)")
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
+    ap.add_argument("--fused-variants", action="store_true",
+                    help="also time GQA and MLA H <= 16 with the fused merge forced on and off (twice each, alternating)")
+    ap.add_argument("--shapes", default=None,
+                    help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -78,6 +78,8 @@ def main():
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
+    ap.add_argument("--gqa", action="store_true", help="decode: GQA (D = Dv = 128, separate V, no rope block)")
+    ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
     ap.add_argument("--dedicated", type=int, default=0,
@@ -108,11 +110,16 @@ def main():
     if args.kernel == "decode":
         from mla_attn.ops.decode.triton_decode import _decode_kernel as fn
         ptrs = {"Q1": "*bf16", "Q2": "*bf16", "K1": "*bf16", "K2": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32",
-                "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32"}
-        const = dict(S=1, D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512, BLOCK_H=a, BLOCK_N=b,
-                     PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged, HAS_K2=True,
-                     V_IS_K1=True, IEEE=False, UNCHAIN=args.unchain,
-                     BALANCED=args.balanced, MAX_B=64 if args.balanced else 1)
+                "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32", "OF": "*bf16", "LSEF": "*fp32", "TICKETS": "*i32"}
+        dims = dict(D1=128, D2=1, DV=128, BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128) if args.gqa else \
+            dict(D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512)
+        const = dict(S=1, **dims, BLOCK_H=a, BLOCK_N=b,
+                     PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged,
+                     HAS_K2=not args.gqa, V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
+                     BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1)
+        if args.fused:
+            rows, chunk = map(int, args.fused.split(","))
+            const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon":  # the experimental Gluon forward (mla_attn/ops/attention/gluon_fwd.py)
         from triton.experimental.gluon import language as gl

@@ -10,6 +10,8 @@
 #     its tests, then the MLA decode bench
 #   ONLY=smallheads bash scripts/gpu_check.sh [OUTDIR]  the Gluon MLA decode with H < 64 (experimental):
 #     its tests, then the MLA decode bench with it routed
+#   ONLY=fused bash scripts/gpu_check.sh [OUTDIR]  the Triton decode's GPU tests, then the decode bench's GQA
+#     and MLA H = 16 rows with the fused merge on and off
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -67,6 +69,16 @@ mla_variant() {  # mla_variant KEY TITLE [ENV=VALUE ...]
 [ "${ONLY:-}" = smallpages ] && mla_variant small_pages "small pages"
 # SMALL_HEADS (experimental, off): fewer than 64 heads, routed for the bench
 [ "${ONLY:-}" = smallheads ] && mla_variant small_heads "small heads (experimental)" MLA_ATTN_GLUON_MLA_SMALL_HEADS=1
+# The fused merge (the decode kernel's last split merges; triton_decode.FUSED_MERGE): the Triton decode's GPU
+# tests, then the GQA and MLA H = 16 rows with it forced on and off, alternating. ~5 minutes.
+if [ "${ONLY:-}" = fused ]; then
+  step "decode GPU tests" "$(lim 240)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py 2>&1 | tee '$out/gpu_decode_tests.log' | tail -8; exit \${PIPESTATUS[0]}"
+  if [ $status -eq 0 ]; then
+    step "bench decode, fused merge on / off" "$(lim 330)" $PY scripts/bench_decode.py --graph --fused-variants --shapes gqa1,gqa32,gqa128,mla64x16,mla128x16 --out "$out/bench_decode_fused.md"
+  fi
+  echo "gpu_check status: $status"
+  exit $status
+fi
 if [ "${ONLY:-}" = fwdprobe ]; then
   # Diagnostics of the Gluon forward (one device call, ~6 minutes): the experimental schedules' tests
   # (persistent, S1_EARLY; reported, they do not fail the check), the clock64 trace of one program's

@@ -360,6 +360,76 @@ def test_combine_tiles_choice():
 
 
 # ----------------------------------------------------------------------------------------------
+# Fused merge: the last split of a row tile merges the partials in the decode kernel.
+
+def _no_combine(*a, **k):
+    raise AssertionError("combine launched for a merge the decode kernel should have fused")
+
+
+# (kind, B, Hq, Hkv or None, lens, page, dtype, split counts run one after another on the same tickets)
+FUSED_CASES = [
+    ("gqa", 3, 8, 2, [0, 17, 100], 4, F32, (2, 5, 16, 3)),
+    ("gqa", 1, 12, 4, [113], None, F16, (7, 2)),
+    ("gqa", 2, 16, 1, [64, 1], 16, F32, (3,)),  # MQA: 16 rows a tile
+    ("mla", 3, 16, None, [0, 17, 100], 4, F32, (3, 2, 5)),
+    ("mla", 2, 9, None, [130, 49], None, F16, (4,)),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: "{}-B{}-H{}-L{}-P{}-{}".format(
+    c[0], c[1], c[2], "_".join(map(str, c[4])), c[5], str(c[6])[6:]))
+def test_fused_merge_replaces_combine(case, monkeypatch):
+    """Small merges (GQA, MLA at H <= 16) happen in the decode kernel: no combine launch, the oracle's
+    answer (NaN-poisoned unused pages and outputs), and every ticket back at 0 after each call, so
+    calls with other split counts on the same tickets stay right."""
+    kind, b, hq, hkv, lens, page, dtype, splits_seq = case
+    monkeypatch.setattr(td, "combine_splits", _no_combine)
+    monkeypatch.setattr(td, "FUSED_MERGE", True)
+    if kind == "gqa":
+        q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, 64, 48, 1, lens, page, dtype)
+        call = lambda n: td.gqa_decode(q, k, v, seq_lens, table, 0.125, n)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+        base = _lowp_gqa(q, k, v, seq_lens, table, 0.125)
+    else:
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(b, hq, 64, 16, 1, lens, page, dtype)
+        call = lambda n: td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, n)
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+        base = _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125)
+    for n in splits_seq:
+        o, lse = call(n)
+        _check(o, lse, ref_o, ref_lse, base, dtype)
+        assert int(td._ticket_counters(seq_lens.device).abs().sum()) == 0
+
+
+def test_fused_merge_off_uses_combine(monkeypatch):
+    """With FUSED_MERGE off the same split calls go through combine.py, with the same answer."""
+    calls = []
+    real = td.combine_splits
+    monkeypatch.setattr(td, "combine_splits", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr(td, "FUSED_MERGE", False)
+    q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [0, 17, 100], 4, F32)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, 5)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 0.125), F32)
+    assert calls == [1]
+
+
+def test_fused_merge_tiles_rule(monkeypatch):
+    """Which merges are fused: [parts, rows, Dv] steps of at most FUSE_STEP values, at most FUSE_MAX_STEPS."""
+    monkeypatch.setattr(td, "FUSED_MERGE", True)
+    f = td._fused_merge_tiles
+    assert f(16, 4, 128) == (4, 16)  # GQA B=1 32/8: 16 splits in one step
+    assert f(33, 4, 128) == (4, 16)  # three steps
+    assert f(2, 16, 512) == (16, 1)  # MLA H=16 B=64: two parts, one per step
+    assert f(1, 4, 128) is None  # nothing to merge
+    assert f(100, 4, 128) is None  # seven steps: combine.py spreads it out
+    assert f(4, 64, 512) is None  # MLA H=128 tile: 32768 values a part
+    assert f(5, 16, 512) is None  # five steps of one part
+    monkeypatch.setattr(td, "FUSED_MERGE", False)
+    assert f(16, 4, 128) is None
+
+
+# ----------------------------------------------------------------------------------------------
 # Split heuristic (pure Python)
 
 def test_balanced_rule():
@@ -457,7 +527,6 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mla16", "mla128", "gqa"])
 def test_balanced_matches_single_split_gpu(kind, monkeypatch):
     """bf16 at benchmark-like shapes: the balanced split against the oracle, as close as num_splits=1."""
@@ -488,6 +557,73 @@ def test_heuristic_splits_match_single_split_gpu():
     _check(o_h, lse_h, ref_o, ref_lse, o_1, BF16)  # the split result is as close as the unsplit one (2x)
     assert_close(o_h, o_1.double(), floor=dtype_floor(BF16))
     assert (lse_h - lse_1).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "combine"])
+def test_gqa_batch1_heuristic_splits_gpu(fused, monkeypatch):
+    """The benchmark's GQA batch-1 shape (32/8, 32768 keys, bf16), heuristic splits with the merge fused
+    in the kernel or launched: as close to the oracle as PyTorch's bf16, and as one split."""
+    monkeypatch.setattr(td, "FUSED_MERGE", fused)
+    q, k, v, seq_lens, table = _gqa_inputs(1, 32, 8, 128, 128, 1, [32768], None, BF16, seed=3)
+    assert td._fused_merge_tiles(td.choose_num_splits(8, 1, 32768, td._num_sms(q.device), block_n=128), 4, 128)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, None, 128 ** -0.5, None)
+    o_1, lse_1 = td.gqa_decode(q, k, v, seq_lens, None, 128 ** -0.5, 1)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, scale=128 ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, None, 128 ** -0.5), BF16)
+    _check(o_1, lse_1, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, None, 128 ** -0.5), BF16)
+    assert int(td._ticket_counters(q.device).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_fused_merge_two_streams_gpu():
+    """Split decodes with fused merges running at the same time on two streams (each stream has its
+    own tickets) and back to back on one: every result as close to the oracle as PyTorch's bf16."""
+    assert td.FUSED_MERGE
+    cases = []
+    for seed, lens in ((1, [3000, 17, 2048]), (2, [1, 4000, 900])):
+        q, k, v, seq_lens, table = _gqa_inputs(3, 32, 8, 128, 128, 1, lens, 64, BF16, seed=seed)
+        ref = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.1)
+        cases.append(((q, k, v, seq_lens, table), ref, _lowp_gqa(q, k, v, seq_lens, table, 0.1)))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(td.gqa_decode(*cases[i][0], 0.1, 6))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for o, lse in outs[i]:
+            _check(o, lse, *cases[i][1], cases[i][2], BF16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_fused_merge_gpu(monkeypatch):
+    """A captured GQA decode step whose merge is fused replays right with new lengths (zeros included)."""
+    monkeypatch.setattr(td, "FUSED_MERGE", True)
+    q, k, v, seq_lens, _ = _gqa_inputs(2, 32, 8, 128, 128, 1, [4096, 3000], None, BF16, seed=4)
+    # Longer replayed lengths read former tails: make the NaN poison there real data.
+    k, v = (torch.where(torch.isnan(x), torch.randn_like(x), x) for x in (k, v))
+    calls = []
+    real = td.combine_splits
+    monkeypatch.setattr(td, "combine_splits", lambda *a: (calls.append(1), real(*a)))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        td.gqa_decode(q, k, v, seq_lens, None, 0.1, None)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, lse = td.gqa_decode(q, k, v, seq_lens, None, 0.1, None)
+    assert calls == []  # the heuristic split's merge was fused
+    for lens in ([4096, 3000], [1, 4095], [0, 2222], [0, 0]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, scale=0.1)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, None, 0.1), BF16)
 
 
 @pytest.mark.gpu

@@ -44,7 +44,6 @@ def _combine_kernel(
         tl.extra.cuda.gdc_wait()
     o_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_d = o_d < DV
-    o_c = tl.arange(0, CHUNK)
     if BALANCED:
         # A program's rows lie in one sequence b (grid axis 0: b x row tiles of its rows_per_seq).
         # Worker w took tiles [ceil(w T / W), ceil((w+1) T / W)) of the batch's T, so the workers that
@@ -71,6 +70,30 @@ def _combine_kernel(
         o_rp = o_r
         k_lo = 0
         k_n = num_parts
+        w_first = 0
+        total = 0
+    _merge_rows(O_PARTS, LSE_PARTS, O, LSE, o_r, o_rp, m_r, o_d, m_d, k_lo, k_n, w_first, total, num_parts,
+                stride_opk, stride_opr, stride_opd, stride_lpk, stride_lpr, stride_or, stride_od, stride_lr,
+                tl.program_id(1) == 0, BLOCK_R=BLOCK_R, BLOCK_DV=BLOCK_DV, CHUNK=CHUNK, BALANCED=BALANCED)
+
+
+@triton.jit
+def _merge_rows(
+    O_PARTS, LSE_PARTS, O, LSE,
+    o_r, o_rp, m_r,  # [BLOCK_R] output rows, rows in the part buffers, live rows
+    o_d, m_d,  # [BLOCK_DV] columns, live columns
+    k_lo, k_n,  # the parts are slots k_lo .. k_lo + k_n - 1
+    w_first, total, num_parts,  # BALANCED only (see _combine_kernel)
+    stride_opk, stride_opr, stride_opd, stride_lpk, stride_lpr, stride_or, stride_od, stride_lr,
+    store_lse,  # this program writes the rows' lse (one column tile does)
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, BALANCED: tl.constexpr,
+    CACHE: tl.constexpr = "",  # ".cg" when the parts were written by other programs of a running kernel
+):
+    """Merge BLOCK_R rows x BLOCK_DV columns over their parts, CHUNK parts per step, and store o / lse.
+
+    Used by _combine_kernel and by the decode kernel's fused merge (triton_decode.py: the last split
+    of a row tile to finish merges them, with CACHE=".cg" so nothing comes from a stale L1 line)."""
+    o_c = tl.arange(0, CHUNK)
     b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # running max of the parts' lse
     b_den = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
@@ -88,10 +111,11 @@ def _combine_kernel(
         o_k = (k_lo + o_j).to(tl.int64)  # [CHUNK] slots
         m_kr = m_k[:, None] & m_r[None, :]
         b_lc = tl.load(LSE_PARTS + o_k[:, None] * stride_lpk + o_rp[None, :] * stride_lpr,
-                       mask=m_kr, other=float("-inf"))  # [CHUNK, BLOCK_R]
+                       mask=m_kr, other=float("-inf"), cache_modifier=CACHE)  # [CHUNK, BLOCK_R]
         p_o = (O_PARTS + o_k[:, None, None] * stride_opk + o_rp[None, :, None] * stride_opr
                + o_d[None, None, :] * stride_opd)
-        b_o = tl.load(p_o, mask=m_kr[:, :, None] & m_d[None, None, :], other=0.0)  # [CHUNK, BLOCK_R, BLOCK_DV]
+        b_o = tl.load(p_o, mask=m_kr[:, :, None] & m_d[None, None, :], other=0.0,
+                      cache_modifier=CACHE)  # [CHUNK, BLOCK_R, BLOCK_DV]
         b_m_new = tl.maximum(b_m, tl.max(b_lc, 0))
         b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no live part yet: weights stay 0
         b_alpha = tl.exp(b_m - b_m_safe)
@@ -109,7 +133,7 @@ def _combine_kernel(
     b_lse_out = tl.where(dead, float("-inf"), b_m_safe + tl.log(tl.where(dead, 1.0, b_den)))
     tl.store(O + o_r[:, None] * stride_or + o_d[None, :] * stride_od, b_out.to(O.dtype.element_ty),
              mask=m_r[:, None] & m_d[None, :])
-    if tl.program_id(1) == 0:
+    if store_lse:
         tl.store(LSE + o_r * stride_lr, b_lse_out, mask=m_r)
 
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv, next_pow2
-from .combine import combine_balanced, combine_splits
+from .combine import _merge_rows, combine_balanced, combine_splits
 
 _LOG2E = 1.4426950408889634
 _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN-filled allocator)
@@ -204,6 +204,7 @@ def _attend(
 @triton.jit
 def _decode_kernel(
     Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
+    OF, LSEF, TICKETS,  # FUSED: the final o [B, H, S, DV] and lse [B, H, S] (contiguous), int32 tickets
     qk_scale,  # scale * log2(e): scores are kept in base 2
     num_kv_heads, num_splits,
     GROUP, NUM_HEAD_TILES,  # query heads per KV head; row tiles per KV head (runtime: fewer recompiles)
@@ -228,6 +229,9 @@ def _decode_kernel(
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
     BALANCED: tl.constexpr,  # axis 1 = workers sharing the batch's key tiles equally (README.md here)
     MAX_B: tl.constexpr,  # BALANCED: a power of two >= batch
+    FUSED: tl.constexpr = False,  # the last split of each row tile to finish merges them (no combine launch)
+    MERGE_ROWS: tl.constexpr = 1,  # FUSED: a power of two >= the tile's live rows, <= BLOCK_H
+    MERGE_CHUNK: tl.constexpr = 1,  # FUSED: parts merged per step
 ):
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent; BALANCED: b = 0
     pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
@@ -284,6 +288,23 @@ def _decode_kernel(
                 S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                 BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
                 HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN)
+        if FUSED:
+            # Split-K ticket: each split of this row tile takes one after storing its partial. The
+            # barrier orders every warp's stores before the ticket; acq_rel at GPU scope makes them
+            # visible to whoever takes a later ticket, and the last taker sees them all. It merges
+            # the parts in one pass (MERGE_CHUNK at a time, loads straight from L2) and puts the
+            # counter back to 0 for the next call. Rows are (b, head, s) flattened: the partials
+            # and the outputs are contiguous, so this tile's rows are consecutive.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(TICKETS + pid_row, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                tl.atomic_xchg(TICKETS + pid_row, 0, sem="relaxed", scope="gpu")
+                o_rl = i_t * BLOCK_H + tl.arange(0, MERGE_ROWS)  # rows of this tile within the KV head
+                o_r = (i_b.to(tl.int64) * num_kv_heads + i_kvh) * GROUP * S + o_rl
+                o_d = tl.arange(0, BLOCK_DV)
+                _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
+                            num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
+                            BLOCK_R=MERGE_ROWS, BLOCK_DV=BLOCK_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
 
 
 @dataclass(frozen=True)
@@ -419,6 +440,43 @@ def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
     return block_n
 
 
+# Fused merge (FUSED in the kernel): with a per-sequence split, the last split of each row tile to
+# finish merges the tile's parts itself, so no combine kernel is launched. Taken when a step of the
+# merge fits FUSE_STEP values ([parts, rows, Dv] in registers after the main loop) and the whole merge
+# is at most FUSE_MAX_STEPS such steps: GQA (a group's few rows x 128) and MLA at H <= 16 (16 x 512).
+# The H = 128 tiles (64 x 512 a part, dozens of parts at batch 1) keep combine.py, which spreads a big
+# merge over every SM. MLA_ATTN_FUSED_MERGE=0 turns it off.
+FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "1") != "0"
+FUSE_STEP = 8192
+FUSE_MAX_STEPS = 4
+_TICKET_SLOTS = 1 << 16
+_tickets: dict = {}
+
+
+def _fused_merge_tiles(num_splits: int, rows_per_tile: int, block_dv: int):
+    """(MERGE_ROWS, MERGE_CHUNK) for a fused merge of this shape, or None when it is not fused."""
+    merge_rows = next_pow2(max(1, rows_per_tile))
+    if not FUSED_MERGE or num_splits <= 1 or merge_rows * block_dv > FUSE_STEP:
+        return None
+    chunk = min(next_pow2(num_splits), FUSE_STEP // (merge_rows * block_dv))
+    if cdiv(num_splits, chunk) > FUSE_MAX_STEPS:
+        return None
+    return merge_rows, chunk
+
+
+def _ticket_counters(device: torch.device) -> torch.Tensor:
+    """The fused merge's tickets: int32, one per row tile, all 0 between calls (the last taker resets
+    its own). One buffer per (device, stream), kept for the life of the process: a CUDA graph that
+    captured a decode step keeps pointing at it, and decode steps running at the same time on two
+    streams never share a ticket."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _tickets.get(key)
+    if buf is None:
+        buf = _tickets[key] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
             d_v, scale, num_splits, capacity, mla, config):
     b, h, s, d1 = q1.shape
@@ -467,6 +525,10 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
     if not balanced:
         o_strides, lse_strides = o_part.stride(), lse_part.stride()
+    fused = None
+    if not balanced and b * num_kv_heads * head_tiles <= _TICKET_SLOTS:
+        fused = _fused_merge_tiles(num_splits, min(cfg.block_h, rows), _pow2(d_v))
+    tickets = _ticket_counters(device) if fused else seq_lens  # a dummy pointer when not fused
 
     bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
     bt_strides = block_table.stride() if paged else (0, 0)
@@ -480,7 +542,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     def run(c: DecodeConfig):
         block_n = _tile_keys(c.block_n, paged, page_size)
         _decode_kernel[grid](
-            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part,
+            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, tickets,
             scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles, b,
             *q1.stride(), *q2_strides,
             *k1_strides, *k2_strides, *v_strides,
@@ -495,6 +557,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             IEEE=q1.dtype == torch.float32,
             UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
             BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
+            **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
@@ -515,7 +578,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             raise RuntimeError(f"decode: no tile configuration fits this GPU, starting from {cfg}")
     if balanced:
         combine_balanced(o_part, lse_part, o, lse, seq_lens, num_splits, tile_n)
-    elif num_splits > 1:
+    elif num_splits > 1 and not fused:
         combine_splits(o_part, lse_part, o, lse)
     return o, lse
 
