@@ -74,7 +74,7 @@ def _combine_kernel(
         total = 0
     _merge_rows(O_PARTS, LSE_PARTS, O, LSE, o_r, o_rp, m_r, o_d, m_d, k_lo, k_n, w_first, total, num_parts,
                 stride_opk, stride_opr, stride_opd, stride_lpk, stride_lpr, stride_or, stride_od, stride_lr,
-                tl.program_id(1) == 0, BLOCK_R=BLOCK_R, BLOCK_DV=BLOCK_DV, CHUNK=CHUNK, BALANCED=BALANCED)
+                tl.program_id(1) == 0, BLOCK_R=BLOCK_R, BLOCK_DV=BLOCK_DV, CHUNK=CHUNK, BALANCED=BALANCED, CACHE="")
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _merge_rows(
     stride_opk, stride_opr, stride_opd, stride_lpk, stride_lpr, stride_or, stride_od, stride_lr,
     store_lse,  # this program writes the rows' lse (one column tile does)
     BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, BALANCED: tl.constexpr,
-    CACHE: tl.constexpr = "",  # ".cg" when the parts were written by other programs of a running kernel
+    CACHE: tl.constexpr,  # ".cg" when the parts were written by other programs of a running kernel ("" else)
 ):
     """Merge BLOCK_R rows x BLOCK_DV columns over their parts, CHUNK parts per step, and store o / lse.
 
