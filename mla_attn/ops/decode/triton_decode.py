@@ -440,13 +440,17 @@ def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
     return block_n
 
 
-# Fused merge (FUSED in the kernel): with a per-sequence split, the last split of each row tile to
-# finish merges the tile's parts itself, so no combine kernel is launched. Taken when a step of the
-# merge fits FUSE_STEP values ([parts, rows, Dv] in registers after the main loop) and the whole merge
-# is at most FUSE_MAX_STEPS such steps: GQA (a group's few rows x 128) and MLA at H <= 16 (16 x 512).
-# The H = 128 tiles (64 x 512 a part, dozens of parts at batch 1) keep combine.py, which spreads a big
-# merge over every SM. MLA_ATTN_FUSED_MERGE=0 turns it off.
-FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "1") != "0"
+# Fused merge (FUSED in the kernel; experimental, off): with a per-sequence split, the last split of
+# each row tile to finish merges the tile's parts itself, so no combine kernel is launched. Taken when a
+# step of the merge fits FUSE_STEP values ([parts, rows, Dv] in registers after the main loop) and the
+# whole merge is at most FUSE_MAX_STEPS such steps: GQA (a group's few rows x 128) and MLA at H <= 16
+# (16 x 512). The H = 128 tiles (64 x 512 a part, dozens of parts at batch 1) never take it.
+# On the H200 (84c94df, docs/raw/bench_decode_fused_84c94df.md, per step of an 8-layer graph) it lost
+# where it matters: GQA B=1 L=32768 39.7-39.8 us against 38.2 with the combine launch, MLA H=16 B=64
+# paged 64 147.2-148.3 against 145.8-146.1; it won 1% at MLA H=16 B=64 contiguous (139.8 vs 140.5).
+# The ticket's release, its round trip and the merge's loads sit on the critical path of the last
+# split, and cost more than the combine launch they replace. MLA_ATTN_FUSED_MERGE=1 turns it on.
+FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
 FUSE_STEP = 8192
 FUSE_MAX_STEPS = 4
 _TICKET_SLOTS = 1 << 16
