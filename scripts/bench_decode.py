@@ -386,7 +386,8 @@ def main():
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
     ap.add_argument("--fused-variants", action="store_true",
-                    help="also time GQA and MLA H <= 16 with the fused merge forced on and off (twice each, alternating)")
+                    help="also time GQA and MLA H <= 16 with the fused merge forced on and off "
+                         "(twice each, alternating)")
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")
