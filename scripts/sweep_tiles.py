@@ -1,7 +1,7 @@
 """Tile / variant sweep on the GPU: times each kernel under alternative configs so the tables in
 triton_fwd.py, triton_bwd.py and triton_decode.py can be chosen from measurements.
 
-    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa] [--out sweep.json]
+    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa|gqa-batch] [--out sweep.json]
 
 Every line printed is one measurement: kernel, shape, variant, median ms (triton.testing.do_bench),
 and the rate. Decode variants are timed as CUDA-graph replays (GPU time, no host launch cost).
@@ -135,16 +135,54 @@ def sweep_gqa(args):
     _record("gqa", shape, "sdpa", lambda: _graph_ms(lambda: sdpa(q, k, v, enable_gqa=True)), nbytes, "GB/s")
 
 
+def sweep_gqa_batch(args):
+    """GQA at the benchmark's large batches (never swept before session 19): the default tile against
+    shallower, narrower and two- or three-per-SM ones, contiguous and paged 64, with SDPA beside them."""
+    from bench_decode import _paged_from_contiguous
+
+    from mla_attn.ops.decode import triton_decode as td
+    C = td.DecodeConfig
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # ctas_per_sm: how many fit an SM by shared memory (sm_90a, compile_sm90.py decode --gqa: the default
+    # 139 KB, 64 keys x 4 stages 104 KB, 64 x 3 72 KB, 128 x 2 74 KB, 32 x 4 54 KB, 32 x 6 87 KB), so
+    # that the split heuristic sees the occupancy each tile really gets.
+    cfgs = [None, C(16, 64, 4, 4, 2), C(16, 64, 4, 3, 3), C(16, 128, 4, 2, 3), C(16, 128, 8, 3, 1),
+            C(16, 64, 8, 3, 3), C(16, 32, 4, 4, 4), C(16, 32, 4, 6, 2), C(16, 64, 4, 4, 1)]
+    gen = torch.Generator().manual_seed(0)
+    d = 128
+    for b, hq, hkv, length in [(32, 32, 8, 8192), (128, 64, 8, 4096)]:
+        torch.cuda.empty_cache()
+        q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+        kp, table = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen)
+        vp = torch.empty_like(kp)
+        vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // 64, 64, hkv * d)
+        kp, vp = kp.view(-1, 64, hkv, d), vp.view(-1, 64, hkv, d)
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        nbytes = b * length * hkv * 2 * d * 2
+        shape = f"B{b} {hq}/{hkv} L{length}"
+        _record("gqa", shape, "sdpa", lambda: _graph_ms(lambda: sdpa(q, k, v, enable_gqa=True)), nbytes, "GB/s")
+        for cfg in cfgs:
+            name = "default" if cfg is None else f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}c{cfg.ctas_per_sm}"
+            _record("gqa", shape, f"contig {name}", lambda: _graph_ms(
+                lambda: td.gqa_decode(q, k, v, lens, None, d ** -0.5, None, config=cfg)), nbytes, "GB/s")
+            _record("gqa", shape, f"paged64 {name}", lambda: _graph_ms(
+                lambda: td.gqa_decode(q, kp, vp, lens, table, d ** -0.5, None, config=cfg)), nbytes, "GB/s")
+        _record("gqa", shape, "sdpa (again)", lambda: _graph_ms(lambda: sdpa(q, k, v, enable_gqa=True)), nbytes,
+                "GB/s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa"])
+    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_tiles.py needs a CUDA GPU")
     t0 = time.time()
     for part in args.only or ["attn", "mla", "gqa"]:
-        {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa}[part](args)
+        {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa, "gqa-batch": sweep_gqa_batch}[part](args)
         print(f"-- {part} done at {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
