@@ -173,16 +173,48 @@ def sweep_gqa_batch(args):
                 "GB/s")
 
 
+def ab_gqa_paged(args):
+    """The default GQA tile against 8 warps (128 keys, 3 stages: the gqa-batch sweep's best paged tile) on the
+    large-batch shapes, paged 64 and contiguous: three alternating rounds, each a lone graph and a step of
+    an 8-layer graph (8 cache copies)."""
+    from bench_decode import _bench_layers, _paged_from_contiguous
+
+    from mla_attn.ops.decode import triton_decode as td
+    alt = td.DecodeConfig(16, 128, 8, 3, 1)
+    gen = torch.Generator().manual_seed(1)
+    d = 128
+    for b, hq, hkv, length in [(128, 64, 8, 4096), (32, 32, 8, 8192)]:
+        torch.cuda.empty_cache()
+        q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(b, length, hkv * d, generator=gen).to("cuda", torch.bfloat16)
+        kp, table = _paged_from_contiguous(k, gen)
+        kp = kp.view(-1, 64, hkv, d)
+        vp = torch.randn_like(kp)
+        del k
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        nbytes = b * length * hkv * 2 * d * 2
+        shape = f"B{b} {hq}/{hkv} L{length} paged64"
+        for r in range(3):
+            for name, cfg in (("default", None), ("n128w8s3", alt)) if r % 2 == 0 else (("n128w8s3", alt),
+                                                                                           ("default", None)):
+                _record("gqa", shape, f"{name} round {r}", lambda: _graph_ms(
+                    lambda: td.gqa_decode(q, kp, vp, lens, table, d ** -0.5, None, config=cfg)), nbytes, "GB/s")
+                _record("gqa", shape, f"{name} round {r} 8-layer step", lambda: 1e3 * _bench_layers(
+                    lambda: (lambda kk=kp.clone(), vv=vp.clone(): td.gqa_decode(q, kk, vv, lens, table, d ** -0.5,
+                                                                                None, config=cfg)), 8), nbytes, "GB/s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch"])
+    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch", "ab-gqa-paged"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_tiles.py needs a CUDA GPU")
     t0 = time.time()
     for part in args.only or ["attn", "mla", "gqa"]:
-        {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa, "gqa-batch": sweep_gqa_batch}[part](args)
+        {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa, "gqa-batch": sweep_gqa_batch,
+         "ab-gqa-paged": ab_gqa_paged}[part](args)
         print(f"-- {part} done at {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
