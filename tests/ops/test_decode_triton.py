@@ -429,6 +429,21 @@ def test_fused_merge_tiles_rule(monkeypatch):
     assert f(16, 4, 128) is None
 
 
+def test_paged_gqa_wide_rule(monkeypatch):
+    """8 warps only where they were timed to win: GQA, pages of 64, a program for every SM, on CUDA."""
+    monkeypatch.setattr(td, "_num_sms", lambda device: 132)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cfg = td.DecodeConfig(16, 128, 4, 3, 1)
+    f = td._paged_gqa_wide
+    assert f(False, True, 64, cfg, 1024, cuda) and f(False, True, 64, cfg, 132, cuda)
+    assert not f(False, True, 64, cfg, 131, cuda)  # split (batch 1): 4 warps
+    assert not f(False, False, 1, cfg, 1024, cuda)  # contiguous
+    assert not f(False, True, 16, cfg, 1024, cuda)  # page sizes not timed
+    assert not f(True, True, 64, td.DecodeConfig(16, 64, 4, 3, 1), 1024, cuda)  # MLA
+    assert not f(False, True, 64, cfg, 1024, cpu)  # the interpreter
+    assert not f(False, True, 64, td.DecodeConfig(16, 64, 4, 3, 1), 1024, cuda)  # fp32 tiles (64 keys)
+
+
 # ----------------------------------------------------------------------------------------------
 # Split heuristic (pure Python)
 
@@ -557,6 +572,19 @@ def test_heuristic_splits_match_single_split_gpu():
     _check(o_h, lse_h, ref_o, ref_lse, o_1, BF16)  # the split result is as close as the unsplit one (2x)
     assert_close(o_h, o_1.double(), floor=dtype_floor(BF16))
     assert (lse_h - lse_1).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+def test_gqa_paged_wide_tile_gpu():
+    """The 8-warp tile that paged GQA gets at a full batch: bf16 against the oracle (lengths 0, 1, 63, 64,
+    65 and long ones, shuffled pages, NaN in unused pages and page tails)."""
+    lens = [3000, 0, 1, 63, 64, 65, 2047, 4096] * 3
+    q, k, v, seq_lens, table = _gqa_inputs(len(lens), 64, 8, 128, 128, 1, lens, 64, BF16, seed=7)
+    assert td._paged_gqa_wide(False, True, 64, td.default_config(8, 128, 128, BF16, mla=False, device=q.device),
+                              len(lens) * 8, q.device)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 128 ** -0.5, None)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=128 ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 128 ** -0.5), BF16)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -413,6 +413,18 @@ def default_config(rows: int, d_qk: int, d_v: int, dtype: torch.dtype, *, mla: b
                         ctas_per_sm=2)
 
 
+def _paged_gqa_wide(mla: bool, paged: bool, page_size: int, cfg: DecodeConfig, programs: int,
+                    device: torch.device) -> bool:
+    """Whether a GQA call over pages of 64 keys, with a program for every SM before any split, gets the
+    default tile with 8 warps instead of 4. H200 (sweep_tiles.py --only gqa-batch / ab-gqa-paged,
+    docs/raw/ab_gqa_paged_3e0264f.txt, three alternating rounds): B=128 64/8 L=4096 paged 64 4306-4308
+    against 4197-4208 GB/s as a lone graph, 4365-4376 against 4272-4277 per step of an 8-layer graph
+    (+2.3-2.6%); B=32 32/8 L=8192 +0.2-0.6%. Contiguous caches lost 0.2-0.3% with 8 warps, and batch 1
+    (split) lost 5% per 8-layer step (session 11), so they keep 4. Other page sizes were not timed."""
+    return (not mla and paged and page_size == 64 and device.type == "cuda" and cfg.num_warps == 4
+            and cfg.block_n == 128 and programs >= _num_sms(device))
+
+
 try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # pragma: no cover - very old triton
@@ -491,8 +503,11 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     group = h // num_kv_heads
     rows = group * s
     device = q1.device
-    cfg = config or default_config(rows, d1 + d2, d_v, q1.dtype, mla=mla, device=device)
     paged = block_table is not None
+    cfg = config or default_config(rows, d1 + d2, d_v, q1.dtype, mla=mla, device=device)
+    if config is None and _paged_gqa_wide(mla, paged, page_size, cfg, b * num_kv_heads * cdiv(rows, cfg.block_h),
+                                          device):
+        cfg = replace(cfg, num_warps=8)
     # A default that did not fit this GPU (shared memory, registers) was replaced once by a smaller one.
     fit_key = (cfg, q1.dtype, d1, d2, d_v, s, paged, page_size, v is None, device.index)
     refitted = config is None and fit_key in _fitted
