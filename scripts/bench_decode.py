@@ -103,34 +103,29 @@ def _naive_mla(ql, qr, c, kr, seq_lens, scale):
     return torch.einsum("bhn,bnd->bhd", p, c)
 
 
-def _balanced(fn, on):
-    """fn with the decode's balanced split forced on or off while it launches (graph capture included)."""
+def _with_decode_flag(fn, flag, value):
+    """fn with ``triton_decode.<flag>`` set to value while it runs (and while a graph of it is captured)."""
     from mla_attn.ops.decode import triton_decode
 
     def run():
-        saved = triton_decode.BALANCE
-        triton_decode.BALANCE = on
+        saved = getattr(triton_decode, flag)
+        setattr(triton_decode, flag, value)
         try:
             return fn()
         finally:
-            triton_decode.BALANCE = saved
+            setattr(triton_decode, flag, saved)
 
     return run
+
+
+def _balanced(fn, on):
+    """fn with the decode's balanced split forced on or off."""
+    return _with_decode_flag(fn, "BALANCE", on)
 
 
 def _fused(fn, on):
-    """fn with the decode's fused merge (triton_decode.FUSED_MERGE) forced on or off while it launches."""
-    from mla_attn.ops.decode import triton_decode
-
-    def run():
-        saved = triton_decode.FUSED_MERGE
-        triton_decode.FUSED_MERGE = on
-        try:
-            return fn()
-        finally:
-            triton_decode.FUSED_MERGE = saved
-
-    return run
+    """fn with the decode's fused merge (triton_decode.FUSED_MERGE) forced on or off."""
+    return _with_decode_flag(fn, "FUSED_MERGE", on)
 
 
 def _fused_variants(cands, layered, names):
@@ -145,17 +140,8 @@ def _fused_variants(cands, layered, names):
 
 
 def _no_gluon(fn):
-    """fn with the Gluon MLA kernel switched off while it runs (and while a graph of it is captured)."""
-    from mla_attn.ops.decode import triton_decode as td
-
-    def run():
-        old, td.GLUON_MLA = td.GLUON_MLA, False
-        try:
-            return fn()
-        finally:
-            td.GLUON_MLA = old
-
-    return run
+    """fn with the Gluon MLA kernel switched off."""
+    return _with_decode_flag(fn, "GLUON_MLA", False)
 
 
 def _fmt(x, nd=1):
