@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 UNIT_STRIDES = ("stride_q1d", "stride_q2d", "stride_k1d", "stride_k2d", "stride_vd", "stride_od", "stride_ls",
-                "stride_btp", "stride_qd", "stride_kd")  # 1 at every launch: Triton specialises them
+                "stride_btp", "stride_qd", "stride_kd", "stride_opd")  # 1 at every launch: Triton specialises them
 
 
 def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambda name: False, maxnreg=None):
@@ -73,7 +73,7 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws",
+    ap.add_argument("kernel", choices=["decode", "combine", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws",
                                            "gluon_mla"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
@@ -121,6 +121,11 @@ def main():
             rows, chunk = map(int, args.fused.split(","))
             const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "combine":  # the split-KV combine (ops/decode/combine.py); tiles: BLOCK_R,BLOCK_DV,warps,CHUNK
+        from mla_attn.ops.decode.combine import _combine_kernel as fn
+        ptrs = {"O_PARTS": "*fp32", "LSE_PARTS": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEQ_LENS": "*i32"}
+        const = dict(DV=512, BLOCK_R=a, BLOCK_DV=b, CHUNK=stages, BALANCED=args.balanced, MAX_B=64, PDL=False)
+        kernel = _compile(fn, ptrs, const, warps, 3, aligned=lambda n: n.startswith("stride"))
     elif args.kernel == "gluon":  # the experimental Gluon forward (mla_attn/ops/attention/gluon_fwd.py)
         from triton.experimental.gluon import language as gl
 

@@ -8,7 +8,7 @@ test_decode_gluon_mla.py, through scripts/gpu_check.sh), but compiling them need
 bundled ptxas, so API drift shows up here, in CI. The Triton kernels' CPU tests run in the interpreter,
 which never lowers them for a GPU; they are compiled here too. Each case runs ``scripts/compile_sm90.py``
 (a fresh process: the kernel's constexpr environment is read at import) and checks that the PTX has its
-tensor-core instructions (wgmma, or mma.sync for the 16-row decode tiles).
+tensor-core instructions (wgmma, or mma.sync for the 16-row decode tiles; the combine has none, only its stores).
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "dq 64,64,4,2",
     "decode 64,32,8,4 --unchain --paged",
     "decode 16,64,4,3",
+    "decode 16,128,4,3 --gqa",  # GQA's tile
+    "decode 16,64,8,3 --gqa --paged --unchain",  # paged-64 GQA at a full batch (8 warps)
+    "decode 16,128,4,3 --gqa --fused 4,16",  # the fused merge (experimental)
+    "combine 8,256,4,1",  # the split combine (no tensor cores)
+    "combine 1,128,4,16 --balanced",
 ]
 
 
@@ -58,4 +63,7 @@ def test_kernel_compiles_for_hopper(args, tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     ptx = (tmp_path / "kernel.ptx").read_text()
-    assert "wgmma.mma_async" in ptx or re.search(r"\bmma\.sync", ptx), out[-3000:]
+    if args.startswith("combine"):
+        assert "st.global" in ptx, out[-3000:]
+    else:
+        assert "wgmma.mma_async" in ptx or re.search(r"\bmma\.sync", ptx), out[-3000:]
