@@ -94,6 +94,16 @@ def _paged_from_contiguous(buf, gen, page=PAGE):
     return pool, perm.view(b, pages).to(torch.int32)
 
 
+def paged_kv(k, v, gen, page=PAGE):
+    """GQA caches k, v [B, Hkv, L, D] -> (k_pool, v_pool [B*L/P, P, Hkv, D], block_table [B, L/P]): the same
+    shuffled pages for both."""
+    b, hkv, length, d = k.shape
+    kp, table = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen, page=page)
+    vp = torch.empty_like(kp)
+    vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // page, page, hkv * d)
+    return kp.view(-1, page, hkv, d), vp.view(-1, page, hkv, d), table
+
+
 def _naive_mla(ql, qr, c, kr, seq_lens, scale):
     """The einsum absorbed path a model would write without a kernel: scores over the whole cache, masked."""
     s = torch.einsum("bhd,bnd->bhn", ql, c).float() + torch.einsum("bhd,bnd->bhn", qr, kr).float()
@@ -234,14 +244,8 @@ def bench_gqa(args, gen, rows, configs=None):
         q = torch.randn(b, hq, 1, d, generator=gen).to(dev, torch.bfloat16)
         k = torch.randn(b, hkv, length, d, generator=gen).to(dev, torch.bfloat16)
         v = torch.randn(b, hkv, length, d, generator=gen).to(dev, torch.bfloat16)
-        kp, table = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen)
-        vp = torch.empty_like(kp)
-        vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // PAGE, PAGE, hkv * d)
-        kp, vp = kp.view(-1, PAGE, hkv, d), vp.view(-1, PAGE, hkv, d)
-        kp1, table1 = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen, page=1)
-        vp1 = torch.empty_like(kp1)
-        vp1[table1.view(-1).long()] = v.transpose(1, 2).reshape(b * length, 1, hkv * d)
-        kp1, vp1 = kp1.view(-1, 1, hkv, d), vp1.view(-1, 1, hkv, d)
+        kp, vp, table = paged_kv(k, v, gen)
+        kp1, vp1, table1 = paged_kv(k, v, gen, page=1)
         nbytes = tokens * hkv * 2 * d * 2
         flops = 2 * hq * tokens * 2 * d
         cands = {"triton": lambda: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None),

@@ -138,7 +138,7 @@ def sweep_gqa(args):
 def sweep_gqa_batch(args):
     """GQA at the benchmark's large batches (never swept before session 19): the default tile against
     shallower, narrower and two- or three-per-SM ones, contiguous and paged 64, with SDPA beside them."""
-    from bench_decode import _paged_from_contiguous
+    from bench_decode import paged_kv
 
     from mla_attn.ops.decode import triton_decode as td
     C = td.DecodeConfig
@@ -155,10 +155,7 @@ def sweep_gqa_batch(args):
         q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
         k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
         v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-        kp, table = _paged_from_contiguous(k.transpose(1, 2).reshape(b, length, hkv * d), gen)
-        vp = torch.empty_like(kp)
-        vp[table.view(-1).long()] = v.transpose(1, 2).reshape(b * length // 64, 64, hkv * d)
-        kp, vp = kp.view(-1, 64, hkv, d), vp.view(-1, 64, hkv, d)
+        kp, vp, table = paged_kv(k, v, gen)
         lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
         nbytes = b * length * hkv * 2 * d * 2
         shape = f"B{b} {hq}/{hkv} L{length}"
@@ -175,8 +172,8 @@ def sweep_gqa_batch(args):
 
 def ab_gqa_paged(args):
     """The default GQA tile against 8 warps (128 keys, 3 stages: the gqa-batch sweep's best paged tile) on the
-    large-batch shapes, paged 64 and contiguous: three alternating rounds, each a lone graph and a step of
-    an 8-layer graph (8 cache copies)."""
+    large-batch shapes over pages of 64: three alternating rounds, each a lone graph and a step of an
+    8-layer graph (8 cache copies)."""
     from bench_decode import _bench_layers, _paged_from_contiguous
 
     from mla_attn.ops.decode import triton_decode as td
