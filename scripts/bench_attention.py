@@ -279,17 +279,18 @@ def bench_gluon(out=None):
             f.write(text)
 
 
-def _bench_forward_variants(out, label, variants, takes=lambda q, k, v: True, rounds=3):
+def _bench_forward_variants(out, label, variants, takes=lambda q, k, v: True, rounds=3, rows=None):
     """Forward only: each variant (name, fn(q, k, v, scale) -> (o, lse)) against the Gluon forward in use and
     SDPA on the benchmark rows that ``takes``, each checked against SDPA (a NaN rate when it differs by
     0.05 or more). The clock drifts by several percent within a run, so every candidate of a row is timed
     ``rounds`` times, the order rotated each round, and the median kept; "vs in use" is the ratio of the
-    variant's median to the in-use forward's. A variant that fails is reported and skipped."""
+    variant's median to the in-use forward's. A variant that fails is reported and skipped. ``rows``: (B, Hq, Hkv,
+    L, Dqk, Dv) tuples instead of the benchmark's rows."""
     from mla_attn.ops.attention import gluon_fwd
 
     lines = [f"| B | Hq/Hkv | L | Dqk/Dv | variant | max abs diff vs SDPA | {label} TF/s | Gluon (in use) TF/s "
              "| vs in use | SDPA TF/s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for b, hq, hkv, n, dqk, dv in ROWS:
+    for b, hq, hkv, n, dqk, dv in rows or ROWS:
         q, k, v = _inputs(b, hq, hkv, n, dqk, dv)
         if not takes(q, k, v):
             continue
@@ -358,6 +359,22 @@ def bench_gluon_persistent(out=None):
     ], rounds=5)
 
 
+def bench_gluon_pair(out=None):
+    """Head pairs (``gluon_fwd.HEAD_PAIR``: a block is 64 rows of each of two query heads sharing a KV head) against
+    one-head blocks, in the persistent schedule (in use at d 128) and the grid, on GQA rows: the benchmark's
+    (L 2048), a longer one, and a shorter one with groups of 2."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    def variant(**kw):
+        return lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
+
+    _bench_forward_variants(out, "variant", [
+        ("persistent, head pairs", variant(pair=True)),
+        ("grid, one head", variant(persistent=False, s1_early=False, pair=False)),
+        ("grid, head pairs", variant(persistent=False, s1_early=False, pair=True)),
+    ], rounds=5, rows=[(8, 32, 8, 2048, 128, 128), (4, 32, 8, 4096, 128, 128), (16, 16, 8, 1024, 128, 128)])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
@@ -366,6 +383,7 @@ def main(argv=None):
     ap.add_argument("--gluon-ws", metavar="OUT", help="only: time the experimental warp-specialised forward")
     ap.add_argument("--gluon-persistent", metavar="OUT",
                     help="only: time the experimental persistent schedule of the Gluon forward")
+    ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
@@ -377,6 +395,9 @@ def main(argv=None):
         return
     if args.gluon_persistent:
         bench_gluon_persistent(args.gluon_persistent)
+        return
+    if args.gluon_pair:
+        bench_gluon_pair(args.gluon_pair)
         return
     if args.sweep:
         sweep()

@@ -88,6 +88,7 @@ def main():
     ap.add_argument("--trace", action="store_true", help="gluon (forward) or gluon_mla --s-once: the TRACE build (clock64 stamps)")
     ap.add_argument("--s1-early", action="store_true", help="gluon: S1_EARLY (S_1 under tile 0's softmax)")
     ap.add_argument("--tail", action="store_true", help="gluon: TAIL (the last heads' row blocks length-major)")
+    ap.add_argument("--pair", action="store_true", help="gluon: PAIR (a block is half the rows of two GQA heads)")
     ap.add_argument("--schedule", type=int, default=1, help="gluon --persistent: 0 atomic counter, 1 static snake")
     ap.add_argument("--tma-store", action="store_true", help="gluon: TMA_STORE (O out through Q's shared memory by TMA)")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
@@ -137,7 +138,8 @@ def main():
         from mla_attn.ops.attention.gluon_fwd import _split_head_dim
 
         d0, d1 = _split_head_dim(args.dqk)
-        ptrs = {"q_desc": desc(a, d0), "k_desc": desc(b, d0), "q1_desc": desc(a, d1 or d0), "k1_desc": desc(b, d1 or d0),
+        qa = a // 2 if args.pair else a  # rows of one head in a block (Q's and O's descriptor blocks)
+        ptrs = {"q_desc": desc(qa, d0), "k_desc": desc(b, d0), "q1_desc": desc(qa, d1 or d0), "k1_desc": desc(b, d1 or d0),
                 "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
@@ -154,8 +156,9 @@ def main():
             const.update(COUNTER=None, PERSISTENT=False)
         const["S1_EARLY"] = args.s1_early
         const["TAIL"] = args.tail
+        const["PAIR"] = args.pair
         if args.tma_store:  # the output stored by TMA through Q's buffer
-            ptrs["o_desc"] = desc(a, args.dv)
+            ptrs["o_desc"] = desc(qa, args.dv)
             const["TMA_STORE"] = True
         else:
             const.update(o_desc=None, TMA_STORE=False)

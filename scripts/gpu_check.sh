@@ -2,6 +2,7 @@
 # One call on a CUDA machine: the GPU tests, the benchmarks and the demo on the GPU.
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
+#   ONLY=pair bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's head pairs (GQA): tests and bench
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=tests-attn / ONLY=tests-decode bash scripts/gpu_check.sh [OUTDIR]   ONLY=tests in two (a cold machine)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
@@ -47,6 +48,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, remember f
 # Limits keep one slow step (a kernel that compiles for minutes) from eating the whole device call;
 # scale them with GPU_CHECK_SCALE=2 on a slower machine.
 lim() { echo $(( $1 * ${GPU_CHECK_SCALE:-1} )); }
+if [ "${ONLY:-}" = pair ]; then
+  # Head pairs in the Gluon forward: their tests with the schedules they share code with, then their bench.
+  step "gluon forward tests: head pairs, persistent, TMA store" "$(lim 400)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'head_pairs or tma_store or (persistent and not counter)' 2>&1 | tee '$out/gpu_pair_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "bench gluon head pairs" "$(lim 200)" $PY scripts/bench_attention.py --gluon-pair "$out/bench_gluon_pair.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
 if [ "${ONLY:-}" = gluon ]; then
   # The Gluon forward alone, for work on it. Tests first; the bench only times variants that match SDPA.
   step "gluon forward tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py 2>&1 | tee '$out/gpu_gluon_tests.log' | tail -30; exit \${PIPESTATUS[0]}"

@@ -96,6 +96,68 @@ def test_gluon_forward_tail_experimental(case, persistent, monkeypatch):
     _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=persistent, tail=True)
 
 
+# GQA with an even group (head pairs): a partial last strip (M 1023: its rows stored directly), M > N (rows
+# that see no key), a cached prefix, one row, MQA with Dqk split 128 + 64, groups of 2 and 4, and a batch of
+# more blocks than SMs.
+PAIR_CASES = [
+    (1, 4, 2, 1023, 1024, 128, 128, True),
+    (1, 4, 2, 1023, 1024, 128, 128, False),
+    (2, 8, 2, 2048, 2048, 128, 128, True),
+    (1, 2, 1, 113, 203, 64, 64, True),
+    (1, 4, 2, 130, 65, 64, 64, True),
+    (1, 4, 2, 1, 1, 64, 64, True),
+    (1, 4, 1, 257, 511, 192, 128, True),
+    (4, 16, 4, 2048, 2048, 128, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", PAIR_CASES,
+                         ids=lambda x: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_gluon_forward_head_pairs(case, persistent, monkeypatch):
+    """Head pairs forced on (a block is 64 rows of each of two query heads sharing a KV head), in the grid and
+    the persistent schedule, against the float64 oracle; outputs start NaN, so a row left unwritten or written
+    to the wrong head fails."""
+    _poison_outputs(monkeypatch)
+    _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=persistent, pair=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, token_major", [(PAIR_CASES[0], False), (PAIR_CASES[2], False), (PAIR_CASES[2], True),
+                                               (PAIR_CASES[6], True)],
+                         ids=lambda x: x if isinstance(x, bool) else "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
+                             *x[:7], "causal" if x[7] else "full"))
+def test_gluon_forward_head_pairs_match_one_head_blocks(case, token_major, monkeypatch):
+    """A row sees the same key tiles in the same order with or without head pairs (a one-head block's extra
+    fully masked tile adds p = 0 with alpha = 1), so the outputs are bit for bit the same, head-major or
+    token-major inputs, into NaN-poisoned buffers."""
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    gen = torch.Generator().manual_seed(11)
+    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
+    if token_major:
+        q, k, v = (torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+                   for h, L, d in dims)
+    else:
+        q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
+    _poison_outputs(monkeypatch)
+    (o1, lse1), (o2, lse2) = (gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5,
+                                                        token_major=token_major, pair=pair) for pair in (True, False))
+    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+def test_gluon_forward_head_pairs_need_an_even_group():
+    q = torch.randn(1, 9, 64, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pair=True needs an even number"):
+        gluon_fwd.flash_fwd_gluon(q, k, k, causal=True, scale=0.125, pair=True)
+
+
 def _poison_outputs(monkeypatch):
     from mla_attn.ops.attention import triton_fwd
 
@@ -114,13 +176,14 @@ def test_gluon_forward_s1_early_experimental(case):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
-           s1_early=None, tail=None):
+           s1_early=None, tail=None, pair=None):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
     o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
-                                       persistent=persistent, schedule=schedule, s1_early=s1_early, tail=tail)
+                                       persistent=persistent, schedule=schedule, s1_early=s1_early, tail=tail,
+                                       pair=pair)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

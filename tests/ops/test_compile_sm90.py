@@ -29,6 +29,8 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early",  # d 128: persistent
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early --token-major",
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store",  # the grid (d 128 with MLA_ATTN_GLUON_PERSISTENT=0)
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --s1-early --pair",  # GQA head pairs
+    "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --dqk 192 --pair --token-major",
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --dqk 192 --token-major",
     "gluon 128,32,8,3 --dqk 256 --dv 256 --tma-store --full",
     "gluon_dkdv 64,64,4,2",

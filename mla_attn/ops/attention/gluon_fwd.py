@@ -129,6 +129,12 @@ S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
 # persistent snake with it 0.7-5.5% behind the snake without (docs/raw/bench_gluon_tail_0b1dc69.md).
 # MLA_ATTN_GLUON_TAIL=1 turns it on.
 TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
+# Head pairs (``PAIR`` in the kernel): with GQA and an even group, a 128-row block is 64 rows of each of two
+# query heads that share a KV head, at the same positions, rather than 128 rows of one head. With causal
+# masking the two warpgroups then see the same keys: in a one-head block the first warpgroup's 64 rows see
+# none of the block's last 64-key tile, yet compute it in lockstep with the second (~3% of a causal forward at
+# L 2048). "0" (default) / "1": never / where allowed (GQA, group even). MLA_ATTN_GLUON_HEAD_PAIR overrides.
+HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "0")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -263,23 +269,32 @@ if AVAILABLE:
 
     @gluon.jit
     def _block_rows(pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr):
-        """Row block pid_m of (batch x head) pid_bh -> (i_b, i_h, Q's first row and column, K's first row and
-        column, V's first row and column in the 2-D views)."""
-        i_b = pid_bh // H
-        i_h = pid_bh % H
+                    ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr,
+                    PAIR: gl.constexpr):
+        """Row block pid_m (of ROWS rows a head) of head unit pid_bh -> (i_b, i_h, Q's first row and column, K's
+        first row and column, V's first row and column in the 2-D views). A head unit is (batch x head), or
+        with PAIR (batch x head pair): heads i_h and i_h + 1 of one KV group, ROWS rows of each."""
+        if PAIR:
+            i_b = pid_bh // (H // 2)
+            i_h = (pid_bh % (H // 2)) * 2
+        else:
+            i_b = pid_bh // H
+            i_h = pid_bh % H
         i_hk = i_h // (H // HK)
         # Row and column of this program's first tile in each 2-D view: row = b * RB + h * RH + position,
         # column = h * CH (see flash_fwd_gluon: head-major [B, H, L, D] or token-major [B, L, H, D]).
         if TOKEN_MAJOR:
-            q_row0 = i_b * Q_RB + i_h * Q_RH + pid_m * BLOCK_M
+            q_row0 = i_b * Q_RB + i_h * Q_RH + pid_m * ROWS
             q_col0 = i_h * Q_CH
             k_r0 = i_b * K_RB + i_hk * K_RH
             k_c0 = i_hk * K_CH
             v_r0 = i_b * V_RB + i_hk * V_RH
             v_c0 = i_hk * V_CH
         else:  # all three head-major: the arithmetic the H200 checked in session 12
-            q_row0 = pid_bh * M + pid_m * BLOCK_M
+            if PAIR:
+                q_row0 = (i_b * H + i_h) * M + pid_m * ROWS
+            else:
+                q_row0 = pid_bh * M + pid_m * ROWS
             q_col0 = 0
             k_r0 = (i_b * HK + i_hk) * N
             k_c0 = 0
@@ -288,25 +303,39 @@ if AVAILABLE:
         return i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0
 
     @gluon.jit
-    def _block_tiles(pid_m, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tiles row block pid_m sees: all of them, or (causal, bottom-right) up to its last row's."""
+    def _block_tiles(pid_m, M, N, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tiles row block pid_m (ROWS rows a head) sees: all of them, or (causal, bottom-right) up to its
+        last row's."""
         kv_end = N
         if CAUSAL:
-            kv_end = gl.minimum(N, (pid_m + 1) * BLOCK_M + (N - M))
+            kv_end = gl.minimum(N, (pid_m + 1) * ROWS + (N - M))
             kv_end = gl.maximum(kv_end, 0)
         return gl.cdiv(kv_end, BLOCK_N)
 
     @gluon.jit
     def _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
                      q_row0, q_col0, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     D_QK0: gl.constexpr, SPLIT: gl.constexpr):
-        """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring."""
-        if SPLIT:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-            _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
+                     D_QK0: gl.constexpr, SPLIT: gl.constexpr, Q_RH, Q_CH, PAIR: gl.constexpr):
+        """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring. PAIR: Q's descriptor
+        is half the block's rows, loaded twice, the second head's (one Q_RH row and Q_CH column further) into
+        the lower half."""
+        if PAIR:
+            HALF: gl.constexpr = q_desc.block_type.shape[0]
+            if SPLIT:
+                mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q1_desc.block_type.nbytes))
+                _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem.slice(0, HALF))
+                _tma_load(q1_desc, [q_row0 + Q_RH, q_col0 + Q_CH + D_QK0], q_bar, q1_smem.slice(HALF, HALF))
+            else:
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem.slice(0, HALF))
+            _tma_load(q_desc, [q_row0 + Q_RH, q_col0 + Q_CH], q_bar, q_smem.slice(HALF, HALF))
         else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
+            if SPLIT:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
+                _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
+            else:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
         for i in gl.static_range(STAGES - 1):
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
                      D_QK0, SPLIT)
@@ -317,10 +346,17 @@ if AVAILABLE:
                        p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, dtype: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr, D_QK0: gl.constexpr,
-                       SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr, S1_EARLY: gl.constexpr = False):
+                       SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr, S1_EARLY: gl.constexpr = False,
+                       PAIR: gl.constexpr = False):
         """A row block's key loop, its loads started by _block_loads and its barriers at phase 0 ->
-        (acc, m_i, l_i, the block's row indices), everything waited for."""
-        o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        (acc, m_i, l_i, the block's row positions), everything waited for. PAIR: rows BLOCK_M / 2 .. BLOCK_M
+        are the second head's, at the same positions as rows 0 .. BLOCK_M / 2."""
+        if PAIR:
+            row_first = pid_m * (BLOCK_M // 2)
+            o_m = row_first + gl.arange(0, BLOCK_M, layout=row_s) % (BLOCK_M // 2)
+        else:
+            row_first = pid_m * BLOCK_M
+            o_m = row_first + gl.arange(0, BLOCK_M, layout=row_s)
         o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
@@ -377,7 +413,7 @@ if AVAILABLE:
                     # about a third of the softmax's ALU work). Step j runs the softmax of tile j + 1.
                     n_full = n_tiles
                     if CAUSAL:
-                        n_full = gl.minimum(n_tiles, gl.maximum(pid_m * BLOCK_M + (N - M) + 1, 0) // BLOCK_N)
+                        n_full = gl.minimum(n_tiles, gl.maximum(row_first + (N - M) + 1, 0) // BLOCK_N)
                     j_split = gl.maximum(gl.minimum(n_tiles - 2, n_full - 1), 0)
                     # Unrolled by two: the scores of consecutive tiles then live in two register sets,
                     # so the finished S_{j+2} is not copied into S_{j+1}'s registers at the back edge.
@@ -426,20 +462,26 @@ if AVAILABLE:
 
     @gluon.jit
     def _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout: gl.constexpr,
-                    row_o: gl.constexpr, ROWS: gl.constexpr, D_V: gl.constexpr):
+                    row_o: gl.constexpr, ROWS: gl.constexpr, D_V: gl.constexpr, PAIR: gl.constexpr = False):
         """Rows row0 .. row0 + ROWS of o (in the accumulator's layout) stored straight from registers, rows >= M
-        left out."""
-        o_mo = row0 + gl.arange(0, ROWS, layout=row_o)
+        left out. PAIR: the second half of o is head i_h + 1's rows row0 .. row0 + ROWS / 2."""
         o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-        p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh + o_mo.to(gl.int64)[:, None] * stride_om
-               + o_d[None, :])
+        if PAIR:
+            r = gl.arange(0, ROWS, layout=row_o)
+            o_mo = row0 + r % (ROWS // 2)
+            p_o = (O + i_b.to(gl.int64) * stride_ob + (i_h + r // (ROWS // 2)).to(gl.int64)[:, None] * stride_oh
+                   + o_mo.to(gl.int64)[:, None] * stride_om + o_d[None, :])
+        else:
+            o_mo = row0 + gl.arange(0, ROWS, layout=row_o)
+            p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
+                   + o_mo.to(gl.int64)[:, None] * stride_om + o_d[None, :])
         gl.store(p_o, o, mask=(o_mo < M)[:, None])
 
     @gluon.jit
     def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
                         stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
                         D_V: gl.constexpr, o_desc=None, o_smem=None, H=0, TMA_STORE: gl.constexpr = False,
-                        DEFER_WAIT: gl.constexpr = False):
+                        DEFER_WAIT: gl.constexpr = False, PAIR: gl.constexpr = False, row_s: gl.constexpr = None):
         """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
         same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py).
 
@@ -449,26 +491,38 @@ if AVAILABLE:
         block on the H200, 7-12% of the forward: scripts/trace_flash_blocks.py). The TMA store is waited
         for (its shared-memory read) before the function returns, or (DEFER_WAIT, the persistent loop) only
         before o_smem is written again, so the read overlaps the next block. A partial last block stores
-        directly."""
+        directly. PAIR: rows ROWS / 2 .. ROWS are head i_h + 1's (o_desc's blocks are ROWS / 2 rows; row_s is
+        o_m's layout)."""
         # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
         o = (acc * inv[:, None]).to(O.dtype.element_ty)
+        if PAIR:
+            last_row = row0 + ROWS // 2
+        else:
+            last_row = row0 + ROWS
         if TMA_STORE:
-            if row0 + ROWS <= M:
+            if last_row <= M:
                 if DEFER_WAIT:  # the previous block's store must have read o_smem, in every thread's view
                     tma.store_wait(0)
                     _thread_barrier()
                 o_smem.store(o)
                 fence_async_shared()
                 _thread_barrier()
-                _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
+                if PAIR:
+                    _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem.slice(0, ROWS // 2))
+                    _tma_store(o_desc, [(i_b * H + i_h + 1) * M + row0, 0], o_smem.slice(ROWS // 2, ROWS // 2))
+                else:
+                    _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
             else:
-                _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
+                _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V, PAIR)
         else:
-            _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V)
-        gl.store(LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < M)
+            _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V, PAIR)
+        p_lse = LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m
+        if PAIR:
+            p_lse += (gl.arange(0, ROWS, layout=row_s) // (ROWS // 2)).to(gl.int64) * stride_lh
+        gl.store(p_lse, lse, mask=o_m < M)
         if TMA_STORE and not DEFER_WAIT:
             tma.store_wait(0)
 
@@ -492,16 +546,21 @@ if AVAILABLE:
     @gluon.jit
     def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, BH=0, TAIL_BH=0,
-              TAIL: gl.constexpr = False):
+              TAIL: gl.constexpr = False, PAIR: gl.constexpr = False):
         """Work item w, numbered in the non-persistent grid's launch order -> (row block, i_b, i_h, Q's first
-        row and column, (K's first row and column, V's first row and column), key tiles)."""
+        row and column, (K's first row and column, V's first row and column), key tiles). PAIR: BH counts head
+        pairs, and a row block is BLOCK_M / 2 rows of each head of its pair."""
         pid_bh, pid_m = _order(w, n_mb, BH, TAIL_BH, TAIL)
         if CAUSAL:
             pid_m = n_mb - 1 - pid_m
+        if PAIR:
+            ROWS: gl.constexpr = BLOCK_M // 2
+        else:
+            ROWS: gl.constexpr = BLOCK_M
         i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
-            pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL,
-            TOKEN_MAJOR)
-        return pid_m, i_b, i_h, q_row0, q_col0, (k_r0, k_c0, v_r0, v_c0), _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N,
+            pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N, CAUSAL,
+            TOKEN_MAJOR, PAIR)
+        return pid_m, i_b, i_h, q_row0, q_col0, (k_r0, k_c0, v_r0, v_c0), _block_tiles(pid_m, M, N, ROWS, BLOCK_N,
                                                                                       CAUSAL)
 
     @gluon.jit
@@ -528,7 +587,8 @@ if AVAILABLE:
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr,
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
-                         BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr, TAIL_BH, TAIL: gl.constexpr):
+                         BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr, TAIL_BH, TAIL: gl.constexpr,
+                         PAIR: gl.constexpr):
         """PERSISTENT. Program p takes work item p, then the next one from _next_work, in the
         order the non-persistent grid launches its programs. Once a block's key loop is done (every load
         waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
@@ -540,29 +600,33 @@ if AVAILABLE:
 
         Measured on the H200: see the module docstring (the first version, c97a5b7, with an acq_rel atomic at
         the loop top broadcast behind a CTA barrier, was 6-12% slower than the grid; this one is 2-3% faster
-        at d 128)."""
-        n_mb = gl.cdiv(M, BLOCK_M)
+        at d 128). PAIR: BH counts head pairs, and a block is BLOCK_M / 2 rows of each head of its pair."""
+        if PAIR:
+            ROWS: gl.constexpr = BLOCK_M // 2
+        else:
+            ROWS: gl.constexpr = BLOCK_M
+        n_mb = gl.cdiv(M, ROWS)
         total = n_mb * BH
         w = gl.program_id(0)
         r = 0
         if w < total:
             _, _, _, q_row0, q_col0, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
                                                               V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
-                                                              BH, TAIL_BH, TAIL)
+                                                              BH, TAIL_BH, TAIL, PAIR)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
-                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
+                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH, Q_CH, PAIR)
         while w < total:
             if BLOCK_TRACE:
                 _block_stamp(BT, w * 9, 0)
             w_next, r = _next_work(w, r, COUNTER, SCHEDULE)
             pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
                                                             V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
-                                                            BH, TAIL_BH, TAIL)
+                                                            BH, TAIL_BH, TAIL, PAIR)
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
                                                 k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
                                                 o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
                                                 CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False,
-                                                S1_EARLY)
+                                                S1_EARLY, PAIR)
             if BLOCK_TRACE:
                 _block_stamp(BT, w * 9, 3)
             # Both warpgroups are past their last wait of this block: re-arm every barrier at phase 0.
@@ -577,11 +641,13 @@ if AVAILABLE:
             if w_next < total:
                 _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
                     w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
-                    CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL)
+                    CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL, PAIR)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                             q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om,
-                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, o_smem, H, TMA_STORE, True)
+                             q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH,
+                             Q_CH, PAIR)
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * ROWS, M, stride_ob, stride_oh, stride_om,
+                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, o_smem, H, TMA_STORE, True,
+                            PAIR, row_s)
             if BLOCK_TRACE:
                 _block_stamp(BT, w * 9, 6)
             w = w_next
@@ -602,13 +668,18 @@ if AVAILABLE:
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
         o_desc=None, TMA_STORE: gl.constexpr = False, SCHEDULE: gl.constexpr = 0, S1_EARLY: gl.constexpr = False,
-        TAIL_BH=0, TAIL: gl.constexpr = False,
+        TAIL_BH=0, TAIL: gl.constexpr = False, PAIR: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
         # head's longest (last) row blocks first. PERSISTENT: one program an SM takes the row blocks in
         # that same order (a snake over it, or from a counter), and starts the next block's loads before it
-        # writes the current block's output.
+        # writes the current block's output. PAIR (GQA, group even): axis 1 / BH counts head pairs of one KV
+        # group, and a block is BLOCK_M / 2 rows (ROWS) of each head of the pair at the same positions.
+        if PAIR:
+            ROWS: gl.constexpr = BLOCK_M // 2
+        else:
+            ROWS: gl.constexpr = BLOCK_M
         if not PERSISTENT:
             pid_m = gl.program_id(0)
             pid_bh = gl.program_id(1)
@@ -622,8 +693,8 @@ if AVAILABLE:
             if CAUSAL:
                 pid_m = gl.num_programs(0) - 1 - pid_m
             i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
-                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
-                CAUSAL, TOKEN_MAJOR)
+                pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N,
+                CAUSAL, TOKEN_MAJOR, PAIR)
             kv_row0 = (k_r0, k_c0, v_r0, v_c0)
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -660,15 +731,15 @@ if AVAILABLE:
                              stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
                              o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
                              PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT, SCHEDULE, o_desc, o_smem, TMA_STORE,
-                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL)
+                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL, PAIR)
         else:
-            n_tiles = _block_tiles(pid_m, M, N, BLOCK_M, BLOCK_N, CAUSAL)
+            n_tiles = _block_tiles(pid_m, M, N, ROWS, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
-                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT)
+                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH, Q_CH, PAIR)
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem,
                                            v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout, o_layout, p_layout,
                                            row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL, PV_OVERLAP,
-                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE, S1_EARLY)
+                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE, S1_EARLY, PAIR)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 3)
             mbarrier.invalidate(q_bar)
@@ -676,8 +747,9 @@ if AVAILABLE:
                 mbarrier.invalidate(bars.index(i))
             # TMA_STORE: O goes out through q_smem (D_QK0 == D_V: same shape and layout), free once the last
             # score wgmma is done; each warpgroup writes only the 64 rows its own wgmmas read.
-            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * BLOCK_M, M, stride_ob, stride_oh, stride_om,
-                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, q_smem, H, TMA_STORE)
+            _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * ROWS, M, stride_ob, stride_oh, stride_om,
+                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, q_smem, H, TMA_STORE, False,
+                            PAIR, row_s)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 6)
 
@@ -746,7 +818,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                     stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
                     persistent: bool | None = None, block_trace: torch.Tensor | None = None,
-                    schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None):
+                    schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None,
+                    pair: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
@@ -758,7 +831,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     for the block-timeline build (see ``_gluon_trace.block_stamp``; a row a block, in the grid's order).
     ``s1_early`` (None: ``S1_EARLY``; "auto" takes it with the persistent schedule at d 128): the second
     score tile issued before the first tile's softmax. ``tail`` (None: ``TAIL``; causal only): the last
-    heads' row blocks launched length-major (see ``_order``).
+    heads' row blocks launched length-major (see ``_order``). ``pair`` (None: ``HEAD_PAIR``): blocks of
+    block_m / 2 rows from each of two query heads sharing a KV head (GQA with an even group only; see
+    ``HEAD_PAIR``).
     """
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
@@ -789,12 +864,20 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         _tma_view(q, token_major), _tma_view(k, token_major), _tma_view(v, token_major))
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d0, d1 = _split_head_dim(d_qk)
+    pair_ok = (h // hk) % 2 == 0
+    if pair is None:
+        pair = HEAD_PAIR == "1" and pair_ok
+    elif pair and not pair_ok:
+        raise ValueError(f"flash_fwd_gluon: pair=True needs an even number of query heads per KV head, got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    rows = block_m // 2 if pair else block_m  # rows of one head in a block
+    units = b * h // 2 if pair else b * h  # head units: (batch, head) or (batch, head pair)
 
     def desc(t, rows, cols):
         return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
 
-    q_desc, k_desc, v_desc = desc(q2, block_m, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
-    q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
+    q_desc, k_desc, v_desc = desc(q2, rows, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
+    q1_desc, k1_desc = (desc(q2, rows, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
     if persistent is None:
         persistent = _auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1"
     if s1_early is None:
@@ -808,27 +891,29 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     else:
         tma_store = TMA_STORE and d0 == d_v and o.is_contiguous()
     if tma_store:
-        extra_o = {"o_desc": desc(o.view(b * h * m, d_v), block_m, d_v), "TMA_STORE": True}
+        extra_o = {"o_desc": desc(o.view(b * h * m, d_v), rows, d_v), "TMA_STORE": True}
     else:
         extra_o = {}
     if persistent and trace is not None:
         raise ValueError("flash_fwd_gluon: the TRACE build stamps the non-persistent schedule; pass persistent=False")
-    n_mb = (m + block_m - 1) // block_m
-    if block_trace is not None and (block_trace.dtype != torch.int64 or block_trace.numel() < n_mb * b * h * 9):
-        raise ValueError(f"flash_fwd_gluon: block_trace must be int64 with at least {n_mb * b * h * 9} elements, "
+    n_mb = (m + rows - 1) // rows
+    if block_trace is not None and (block_trace.dtype != torch.int64 or block_trace.numel() < n_mb * units * 9):
+        raise ValueError(f"flash_fwd_gluon: block_trace must be int64 with at least {n_mb * units * 9} elements, "
                          f"got {block_trace.dtype} {tuple(block_trace.shape)}")
     tail = (TAIL if tail is None else tail) and causal and n_mb > 1
-    extra_tail = {"TAIL": True, "TAIL_BH": _tail_heads(n_mb, b * h, _num_sms(q.device))} if tail else {}
+    extra_tail = {"TAIL": True, "TAIL_BH": _tail_heads(n_mb, units, _num_sms(q.device))} if tail else {}
     if persistent:
         schedule = PERSISTENT_SCHEDULE if schedule is None else schedule
         if schedule not in (0, 1):
             raise ValueError(f"flash_fwd_gluon: schedule must be 0 (counter) or 1 (static snake), got {schedule!r}")
-        grid = (min(n_mb * b * h, _num_sms(q.device)), 1)
+        grid = (min(n_mb * units, _num_sms(q.device)), 1)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule == 0 else lse  # 1: unused
-        extra = {"PERSISTENT": True, "COUNTER": counter, "BH": b * h, "SCHEDULE": schedule}
+        extra = {"PERSISTENT": True, "COUNTER": counter, "BH": units, "SCHEDULE": schedule}
     else:
-        grid = (n_mb, b * h)
-        extra = {"BH": b * h} if tail else {}
+        grid = (n_mb, units)
+        extra = {"BH": units} if tail else {}
+    if pair:
+        extra["PAIR"] = True
     _flash_fwd_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
