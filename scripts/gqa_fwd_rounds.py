@@ -1,6 +1,7 @@
 """The GQA benchmark row of the flash forward (8 x 32/8 x 2048, d 128, causal, bf16), timed in rotated rounds:
-the routed op, the Gluon kernel called directly, the same kernel without head pairs, and SDPA, with the SM clock
-after each round. For run-to-run spread: one bench_attention.py table is a single A B B A sample.
+the routed op, the Gluon kernel called directly, the same kernel without head pairs, the grid schedule with head
+pairs, and SDPA, with the SM clock after each round, then each one's median, spread and median ratio to SDPA. For
+run-to-run spread: one bench_attention.py table is a single A B B A sample.
 
     PYTHONPATH=. python3 scripts/gqa_fwd_rounds.py [ROUNDS]
 """
@@ -39,12 +40,21 @@ def main(rounds: int = 6) -> None:
             "direct": lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale),
             "sdpa": lambda: ba._sdpa(q, k, v, scale),
             "onehead": lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, pair=False),
+            "grid": lambda: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, persistent=False),
         }
         names = list(cands)
+        tf = {nm: [] for nm in names}
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            cells = [f"{nm} {flops / (ba._ms(cands[nm]) * 1e-3) / 1e12:.0f}" for nm in order]
-            print(f"round {r}: " + ", ".join(cells) + f" | clock {_clock()} MHz", flush=True)
+            for nm in order:
+                tf[nm].append(flops / (ba._ms(cands[nm]) * 1e-3) / 1e12)
+            print(f"round {r}: " + ", ".join(f"{nm} {tf[nm][-1]:.0f}" for nm in order) + f" | clock {_clock()} MHz",
+                  flush=True)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    for nm in names:
+        ratio = [a / b for a, b in zip(tf[nm], tf["sdpa"])]
+        print(f"{nm}: median {med(tf[nm]):.0f}, min {min(tf[nm]):.0f}, max {max(tf[nm]):.0f} TFLOP/s; "
+              f"per-round ratio to SDPA median {med(ratio):.3f}, min {min(ratio):.3f}")
 
 
 if __name__ == "__main__":
