@@ -375,6 +375,46 @@ def bench_gluon_pair(out=None):
     ], rounds=5, rows=[(8, 32, 8, 2048, 128, 128), (4, 32, 8, 4096, 128, 128), (16, 16, 8, 1024, 128, 128)])
 
 
+def bench_dkdv_store(out=None, rounds=5):
+    """Forward + backward through the public op with the Gluon dK/dV pass storing dK/dV by TMA
+    (``gluon_bwd.DKDV_TMA_STORE``) or directly, and SDPA, on every benchmark row: ``rounds`` rounds, the order
+    rotated each round, medians kept."""
+    from mla_attn.ops.attention import gluon_bwd
+
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | fwd+bwd, dK/dV by TMA TF/s | direct stores TF/s | TMA / direct | SDPA TF/s "
+             "| TMA / SDPA |", "|---|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        scale = dqk ** -0.5
+        flops = 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+        do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+
+        def ours(on):
+            def run():
+                old, gluon_bwd.DKDV_TMA_STORE = gluon_bwd.DKDV_TMA_STORE, on
+                try:
+                    _ours(q, k, v, scale).backward(do)
+                finally:
+                    gluon_bwd.DKDV_TMA_STORE = old
+            return run
+
+        cands = {"tma": ours(True), "direct": ours(False), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
+        names = list(cands)
+        times = {nm: [] for nm in names}
+        for r in range(rounds):
+            for nm in names[r % len(names):] + names[:r % len(names)]:
+                times[nm].append(_ms(cands[nm], [q, k, v]))
+        tf = {nm: flops / (sorted(ts)[len(ts) // 2] * 1e-3) / 1e12 for nm, ts in times.items()}
+        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf['tma']:.0f} | {tf['direct']:.0f} | "
+                     f"{tf['tma'] / tf['direct']:.3f} | {tf['sdpa']:.0f} | {tf['tma'] / tf['sdpa']:.3f} |")
+        print(lines[-1], flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
@@ -384,6 +424,8 @@ def main(argv=None):
     ap.add_argument("--gluon-persistent", metavar="OUT",
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
+    ap.add_argument("--dkdv-store", metavar="OUT",
+                    help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
@@ -398,6 +440,9 @@ def main(argv=None):
         return
     if args.gluon_pair:
         bench_gluon_pair(args.gluon_pair)
+        return
+    if args.dkdv_store:
+        bench_dkdv_store(args.dkdv_store)
         return
     if args.sweep:
         sweep()

@@ -90,7 +90,8 @@ def main():
     ap.add_argument("--tail", action="store_true", help="gluon: TAIL (the last heads' row blocks length-major)")
     ap.add_argument("--pair", action="store_true", help="gluon: PAIR (a block is half the rows of two GQA heads)")
     ap.add_argument("--schedule", type=int, default=1, help="gluon --persistent: 0 atomic counter, 1 static snake")
-    ap.add_argument("--tma-store", action="store_true", help="gluon: TMA_STORE (O out through Q's shared memory by TMA)")
+    ap.add_argument("--tma-store", action="store_true",
+                    help="gluon: TMA_STORE (O out through Q's shared memory by TMA); gluon_dkdv: dK and dV out by TMA")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
@@ -229,6 +230,15 @@ def main():
                      num_warps=warps)
         if args.kernel == "gluon_dkdv":
             const["TOKEN_MAJOR"] = args.token_major
+            if args.tma_store:  # dK and dV out by TMA from buffers of their own
+                ptrs.update(dk_desc=desc(b, d0), dv_desc=desc(b, args.dv))
+                if d1:
+                    ptrs["dk1_desc"] = desc(b, d1)
+                else:
+                    const["dk1_desc"] = None
+                const["TMA_STORE"] = True
+            else:
+                const.update(dk_desc=None, dk1_desc=None, dv_desc=None, TMA_STORE=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
         from mla_attn.ops.attention import triton_bwd

@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=pair bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's head pairs (GQA): tests and bench
+#   ONLY=dkdv bash scripts/gpu_check.sh [OUTDIR]   the Gluon dK/dV pass's TMA stores: tests and fwd+bwd bench
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=tests-attn / ONLY=tests-decode bash scripts/gpu_check.sh [OUTDIR]   ONLY=tests in two (a cold machine)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
@@ -52,6 +53,13 @@ if [ "${ONLY:-}" = pair ]; then
   # Head pairs in the Gluon forward: their tests with the schedules they share code with, then their bench.
   step "gluon forward tests: head pairs, persistent, TMA store" "$(lim 400)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'head_pairs or tma_store or (persistent and not counter)' 2>&1 | tee '$out/gpu_pair_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench gluon head pairs" "$(lim 200)" $PY scripts/bench_attention.py --gluon-pair "$out/bench_gluon_pair.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = dkdv ]; then
+  # dK/dV out by TMA in the Gluon dK/dV pass: its tests, then fwd+bwd with it on and off.
+  step "gluon dK/dV tests" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'dkdv or routes' 2>&1 | tee '$out/gpu_dkdv_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "bench dK/dV stores" "$(lim 150)" $PY scripts/bench_attention.py --dkdv-store "$out/bench_dkdv_store.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -297,7 +297,51 @@ BWD_CASES = [
     (1, 3, 3, 1, 1, 64, 64, False),
     (1, 2, 2, 333, 257, 128, 64, False),
     (1, 8, 2, 600, 600, 128, 128, True),
+    (2, 8, 2, 512, 512, 128, 128, True),   # whole key blocks only: dK/dV all out by TMA
+    (1, 4, 4, 384, 384, 192, 128, True),   # the same with the 128 + 64 split
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, token_major", [
+    (BWD_CASES[4], False),   # N 600: four whole key blocks by TMA, the partial last one direct
+    (BWD_CASES[5], False),   # every block by TMA
+    (BWD_CASES[5], True),    # [B, L, H, D] inputs (dK/dV are always [B, HK, N, D])
+    (BWD_CASES[6], False),   # 192/128: dK in two TMA stores
+    (BWD_CASES[1], True),    # 192/128, N 300, token-major
+], ids=lambda x: x if isinstance(x, bool) else "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(
+    *x[:7], "causal" if x[7] else "full"))
+def test_gluon_dkdv_tma_store_matches_direct_stores(case, token_major, monkeypatch):
+    """dK and dV stored by TMA from their own shared-memory buffers are bit for bit the direct stores' (the
+    same forward, the same Triton dQ), into NaN-poisoned gradient buffers: every element written once."""
+    from mla_attn.ops.attention import triton_bwd
+    from mla_attn.ops.attention.function import flash_attention
+
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    gen = torch.Generator().manual_seed(5)
+    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
+    if token_major:
+        base = [torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2) for h, L, d in dims]
+    else:
+        base = [torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims]
+    do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
+    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
+    calls = []
+    real = gluon_bwd.dkdv_gluon
+    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _poison_outputs(monkeypatch)
+    grads = []
+    for on in (True, False):
+        monkeypatch.setattr(gluon_bwd, "DKDV_TMA_STORE", on)
+        leaves = [t.detach().requires_grad_() for t in base]
+        o, _ = flash_attention(*leaves, causal, dqk ** -0.5)
+        o.backward(do)
+        grads.append([t.grad for t in leaves])
+    assert len(calls) == 2, "the Gluon dK/dV pass did not run"
+    for a, b_ in zip(*grads):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b_)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,8 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --dqk 192 --token-major",
     "gluon 128,32,8,3 --dqk 256 --dv 256 --tma-store --full",
     "gluon_dkdv 64,64,4,2",
+    "gluon_dkdv 64,128,8,2 --tma-store",  # d 128 as routed: dK/dV out by TMA
+    "gluon_dkdv 32,128,8,3 --dqk 192 --dv 128 --tma-store --token-major",
     "gluon_dq 64,64,4,2",
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged",
     "gluon_mla 64,64,4,2 --s-once --dedicated 0",
