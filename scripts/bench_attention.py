@@ -408,7 +408,6 @@ def bench_dkdv_store(out=None, rounds=5):
         lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf['tma']:.0f} | {tf['direct']:.0f} | "
                      f"{tf['tma'] / tf['direct']:.3f} | {tf['sdpa']:.0f} | {tf['tma'] / tf['sdpa']:.3f} |")
         print(lines[-1], flush=True)
-        del q, k, v, do
         torch.cuda.empty_cache()
     if out:
         with open(out, "w") as f:
