@@ -398,7 +398,7 @@ def bench_dkdv_store(out=None, rounds=5):
                     gluon_bwd.DKDV_TMA_STORE = old
             return run
 
-        cands = {"tma": ours(True), "direct": ours(False), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
+        cands = {"tma": ours("1"), "direct": ours("0"), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
         names = list(cands)
         times = {nm: [] for nm in names}
         for r in range(rounds):

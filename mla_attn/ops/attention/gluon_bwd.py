@@ -62,11 +62,14 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 _LOG2E = 1.4426950408889634
-# dK and dV stored by TMA from shared-memory buffers of their own (``_dkdv_gluon``'s TMA_STORE), where shared
-# memory has room (d 128 and 192/128 both fit in the H200's 227 KB), instead of scattered 4-byte stores from
-# the accumulator layout (those took ~4500 cycles per 128 x 128 block in the forward, session 16). A key block
-# past N stores directly. MLA_ATTN_GLUON_DKDV_TMA_STORE=0 keeps the direct stores.
-DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "1") == "1"
+# dK and dV stored by TMA from shared-memory buffers of their own (``_dkdv_gluon``'s TMA_STORE) instead of
+# scattered 4-byte stores from the accumulator layout (those took ~4500 cycles per 128 x 128 block in the
+# forward, session 16). A key block past N stores directly. Bit for bit the direct stores' output. H200
+# (54dd321, fwd+bwd through the op, five rotated rounds, docs/raw/bench_dkdv_store_54dd321.md): 4 x 32 x 4096 d 128
+# 389 -> 399 TFLOP/s (+2.6%), GQA 8 x 32/8 x 2048 +0.5%; at 192/128, where the buffers take shared memory to
+# 220 KB, -1.0% (2 x 16 x 8192) and +1.0% (4 x 128 x 2048). "auto" (default): where Dqk is one power of two
+# (d 128: 192 KB); "1": wherever the buffers fit (192/128 too); "0": never. MLA_ATTN_GLUON_DKDV_TMA_STORE overrides.
+DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto")
 _SMEM_BYTES = 227 * 1024 - 1024  # as gluon_fwd: the H200's shared memory a block may take, less the barriers
 
 if AVAILABLE:
@@ -480,7 +483,8 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     # Shared memory with dK/dV's own buffers: K, V and their output buffers, and the Q / dO ring.
     smem = 2 * (2 * block_n * (d0 + d1 + d_v) + stages * block_m * (d0 + d1 + d_v))
     extra = {}
-    if DKDV_TMA_STORE and smem <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
+    tma_store = DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1)
+    if tma_store and smem <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         dk2, dv2 = dk.view(b * hk * n, d_qk), dv.view(b * hk * n, d_v)
         extra = {"dk_desc": desc(dk2, block_n, d0), "dk1_desc": desc(dk2, block_n, d1) if d1 else None,
                  "dv_desc": desc(dv2, block_n, d_v), "TMA_STORE": True}
