@@ -29,6 +29,9 @@ tests/ops/test_attention_gluon.py at both tile choices, and every flash GPU test
 op). fwd+bwd (Gluon forward, this pass, Triton dQ) reads 377 / 375 / 322 / 341 TFLOP/s on the benchmark
 rows, against 351 / 366 / 310 / 295 all-Triton (docs/benchmarks.md).
 
+Session 20 (54dd321, H200): dK and dV leave by TMA from shared-memory buffers of their own at d 128
+(``DKDV_TMA_STORE``), bit for bit the direct stores' output: +2.6% forward + backward at 4 x 32 x 4096.
+
 Session 13 (827090c, H200): both of these pass their oracle tests.
 - ``token_major=True`` in ``dkdv_gluon``: on by default (``MLA_ATTN_GLUON_TOKEN_MAJOR=0`` turns it
   off). It reads the layers' [B, L, H, D] tensors in place. A constexpr keeps the head-major code
