@@ -428,21 +428,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
-    if args.gluon:
-        bench_gluon(args.gluon)
-        return
-    if args.gluon_ws:
-        bench_gluon_ws(args.gluon_ws)
-        return
-    if args.gluon_persistent:
-        bench_gluon_persistent(args.gluon_persistent)
-        return
-    if args.gluon_pair:
-        bench_gluon_pair(args.gluon_pair)
-        return
-    if args.dkdv_store:
-        bench_dkdv_store(args.dkdv_store)
-        return
+    only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
+            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store}
+    for name, bench in only.items():  # each of these runs alone, its table to the path given
+        if getattr(args, name):
+            bench(getattr(args, name))
+            return
     if args.sweep:
         sweep()
     lines = [

@@ -135,13 +135,7 @@ def test_gluon_forward_head_pairs_match_one_head_blocks(case, token_major, monke
     fully masked tile adds p = 0 with alpha = 1), so the outputs are bit for bit the same, head-major or
     token-major inputs, into NaN-poisoned buffers."""
     b, hq, hkv, m, n, dqk, dv, causal = case
-    gen = torch.Generator().manual_seed(11)
-    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
-    if token_major:
-        q, k, v = (torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
-                   for h, L, d in dims)
-    else:
-        q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
+    q, k, v, _ = _seeded_qkv(case, token_major, 11)
     _poison_outputs(monkeypatch)
     (o1, lse1), (o2, lse2) = (gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5,
                                                         token_major=token_major, pair=pair) for pair in (True, False))
@@ -156,6 +150,20 @@ def test_gluon_forward_head_pairs_need_an_even_group():
     k = torch.randn(1, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pair=True needs an even number"):
         gluon_fwd.flash_fwd_gluon(q, k, k, causal=True, scale=0.125, pair=True)
+
+
+def _seeded_qkv(case, token_major, seed):
+    """bf16 q, k, v on the GPU for a (B, Hq, Hkv, M, N, Dqk, Dv, causal) case from a seeded CPU generator, and
+    the generator: [B, H, L, D] tensors, or (token_major) [B, L, H, D] ones seen through transpose(1, 2)."""
+    b, hq, hkv, m, n, dqk, dv, _ = case
+    gen = torch.Generator().manual_seed(seed)
+    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
+    if token_major:
+        q, k, v = (torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+                   for h, L, d in dims)
+    else:
+        q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
+    return q, k, v, gen
 
 
 def _poison_outputs(monkeypatch):
@@ -214,13 +222,7 @@ def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_majo
     persistent schedule) is bit for bit the output stored from registers, into NaN-poisoned buffers: same
     o, same lse, every element written. S_1 early off in both, so only the stores differ."""
     b, hq, hkv, m, n, dqk, dv, causal = case
-    gen = torch.Generator().manual_seed(7)
-    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
-    if token_major:  # [B, L, H, D] seen through transpose(1, 2)
-        q, k, v = (torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
-                   for h, L, d in dims)
-    else:
-        q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
+    q, k, v, _ = _seeded_qkv(case, token_major, 7)
     _poison_outputs(monkeypatch)
     outs = []
     for on in (True, False):
@@ -319,12 +321,7 @@ def test_gluon_dkdv_tma_store_matches_direct_stores(case, token_major, monkeypat
     from mla_attn.ops.attention.function import flash_attention
 
     b, hq, hkv, m, n, dqk, dv, causal = case
-    gen = torch.Generator().manual_seed(5)
-    dims = ((hq, m, dqk), (hkv, n, dqk), (hkv, n, dv))
-    if token_major:
-        base = [torch.randn(b, L, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2) for h, L, d in dims]
-    else:
-        base = [torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims]
+    *base, gen = _seeded_qkv(case, token_major, 5)
     do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
     monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
     calls = []
