@@ -137,10 +137,8 @@ def test_gluon_forward_head_pairs_match_one_head_blocks(case, token_major, monke
     b, hq, hkv, m, n, dqk, dv, causal = case
     q, k, v, _ = _seeded_qkv(case, token_major, 11)
     _poison_outputs(monkeypatch)
-    (o1, lse1), (o2, lse2) = (gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5,
-                                                        token_major=token_major, pair=pair) for pair in (True, False))
-    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
-    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    _assert_same_outputs(*(gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5,
+                                                     token_major=token_major, pair=pair) for pair in (True, False)))
 
 
 @pytest.mark.gpu
@@ -164,6 +162,14 @@ def _seeded_qkv(case, token_major, seed):
     else:
         q, k, v = (torch.randn(b, h, L, d, generator=gen).to("cuda", torch.bfloat16) for h, L, d in dims)
     return q, k, v, gen
+
+
+def _assert_same_outputs(first, second):
+    """Two forwards' (o, lse): the first fully written (no NaN left from the poisoned buffers), both bit for bit
+    the same."""
+    (o1, lse1), (o2, lse2) = first, second
+    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
 
 
 def _poison_outputs(monkeypatch):
@@ -229,9 +235,7 @@ def test_gluon_forward_tma_store_matches_direct_stores(case, overlap, token_majo
         monkeypatch.setattr(gluon_fwd, "TMA_STORE", on)
         outs.append(gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5, pv_overlap=overlap,
                                               token_major=token_major, persistent=persistent, s1_early=False))
-    (o1, lse1), (o2, lse2) = outs
-    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
-    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    _assert_same_outputs(*outs)
 
 
 @pytest.mark.gpu
