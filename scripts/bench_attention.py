@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 
 import torch
@@ -414,6 +415,63 @@ def bench_dkdv_store(out=None, rounds=5):
             f.write("\n".join(lines) + "\n")
 
 
+def _same_grads_twice(fn, leaves):
+    """Whether two runs of fn() (a forward + backward) leave bit-for-bit the same gradients on leaves."""
+    runs = []
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        fn()
+        runs.append([t.grad.clone() for t in leaves])
+    return all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def bench_deterministic_peer(out=None):
+    """Forward + backward against SDPA in PyTorch's deterministic mode, on every benchmark row.
+
+    Our backward is deterministic by design: dQ has a pass of its own, which recomputes S and dP (7 GEMMs
+    where the FLOP count has 5), rather than atomic adds from the dK/dV pass. SDPA's default (cuDNN on the
+    H200) is not bound to that. ``torch.use_deterministic_algorithms(True)`` excludes cuDNN attention and picks
+    a deterministic backend, the peer a user who needs reproducible gradients would get. Timed A B B A: ours
+    (default mode, the same kernels either way) and SDPA in deterministic mode. Also reported: whether two
+    backward passes give bit-for-bit the same gradients, for ours, SDPA by default and SDPA in
+    deterministic mode. A backend that fails there is reported, not timed."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for SDPA's math path
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | ours TF/s | SDPA deterministic TF/s | ours / SDPA det. | SDPA default TF/s "
+             "| same grads twice: ours / SDPA default / SDPA det. |", "|---|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in ROWS:
+        scale = dqk ** -0.5
+        flops = 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2
+        q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+        do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+        ours = lambda: _ours(q, k, v, scale).backward(do)  # noqa: E731
+        sdpa = lambda: _sdpa(q, k, v, scale).backward(do)  # noqa: E731
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        same_ours, same_sdpa = _same_grads_twice(ours, (q, k, v)), _same_grads_twice(sdpa, (q, k, v))
+        t_sdpa = _ms(sdpa, [q, k, v])
+        prev = torch.are_deterministic_algorithms_enabled()
+        try:
+            a1 = _ms(ours, [q, k, v])
+            torch.use_deterministic_algorithms(True)
+            b1, b2 = _ms(sdpa, [q, k, v]), _ms(sdpa, [q, k, v])
+            same_det = _same_grads_twice(sdpa, (q, k, v))
+            torch.use_deterministic_algorithms(prev)
+            a2 = _ms(ours, [q, k, v])
+            t_ours, t_det = (a1 + a2) / 2, (b1 + b2) / 2
+            det = f"{tf(t_det):.0f} | {t_det / t_ours:.2f}"
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # no deterministic backend here: report it
+            torch.use_deterministic_algorithms(prev)
+            t_ours, same_det = _ms(ours, [q, k, v]), None
+            det = f"failed: {type(e).__name__}: {str(e)[:80]} | n/a"
+        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf(t_ours):.0f} | {det} | {tf(t_sdpa):.0f} | "
+                     f"{same_ours} / {same_sdpa} / {same_det} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
@@ -425,11 +483,14 @@ def main(argv=None):
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
+    ap.add_argument("--deterministic-peer", metavar="OUT",
+                    help="only: fwd+bwd against SDPA in PyTorch's deterministic mode, and who repeats its gradients")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store}
+            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store,
+            "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):
             bench(getattr(args, name))

@@ -160,6 +160,7 @@ fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
     step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
+    step "bench attention, deterministic peer" "$(lim 150)" $PY scripts/bench_attention.py --deterministic-peer "$out/bench_attention_deterministic.md"
     step "bench gluon variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
     if [ "$ws_ok" = 1 ]; then
       step "bench warp-specialised forward (experimental)" "$(lim 60)" $PY scripts/bench_attention.py --gluon-ws "$out/bench_gluon_ws.md"
