@@ -376,6 +376,21 @@ def bench_gluon_pair(out=None):
     ], rounds=5, rows=[(8, 32, 8, 2048, 128, 128), (4, 32, 8, 4096, 128, 128), (16, 16, 8, 1024, 128, 128)])
 
 
+def _write_table(out, lines):
+    """The table's lines to the file out (None: nowhere)."""
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _train_row(b, hq, hkv, n, dqk, dv):
+    """A causal benchmark row for forward + backward: (scale, FLOPs counted as 3.5 x forward, q, k, v needing
+    grad, dO)."""
+    q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+    do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+    return dqk ** -0.5, 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2, q, k, v, do
+
+
 def bench_dkdv_store(out=None, rounds=5):
     """Forward + backward through the public op with the Gluon dK/dV pass storing dK/dV by TMA
     (``gluon_bwd.DKDV_TMA_STORE``) or directly, and SDPA, on every benchmark row: ``rounds`` rounds, the order
@@ -385,10 +400,7 @@ def bench_dkdv_store(out=None, rounds=5):
     lines = ["| B | Hq/Hkv | L | Dqk/Dv | fwd+bwd, dK/dV by TMA TF/s | direct stores TF/s | TMA / direct | SDPA TF/s "
              "| TMA / SDPA |", "|---|---|---|---|---|---|---|---|---|"]
     for b, hq, hkv, n, dqk, dv in ROWS:
-        scale = dqk ** -0.5
-        flops = 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2
-        q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
-        do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+        scale, flops, q, k, v, do = _train_row(b, hq, hkv, n, dqk, dv)
 
         def ours(on):
             def run():
@@ -410,9 +422,7 @@ def bench_dkdv_store(out=None, rounds=5):
                      f"{tf['tma'] / tf['direct']:.3f} | {tf['sdpa']:.0f} | {tf['tma'] / tf['sdpa']:.3f} |")
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
-    if out:
-        with open(out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    _write_table(out, lines)
 
 
 def _same_grads_twice(fn, leaves):
@@ -440,10 +450,7 @@ def bench_deterministic_peer(out=None):
     lines = ["| B | Hq/Hkv | L | Dqk/Dv | ours TF/s | SDPA deterministic TF/s | ours / SDPA det. | SDPA default TF/s "
              "| same grads twice: ours / SDPA default / SDPA det. |", "|---|---|---|---|---|---|---|---|---|"]
     for b, hq, hkv, n, dqk, dv in ROWS:
-        scale = dqk ** -0.5
-        flops = 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2
-        q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
-        do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+        scale, flops, q, k, v, do = _train_row(b, hq, hkv, n, dqk, dv)
         ours = lambda: _ours(q, k, v, scale).backward(do)  # noqa: E731
         sdpa = lambda: _sdpa(q, k, v, scale).backward(do)  # noqa: E731
         tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
@@ -467,9 +474,7 @@ def bench_deterministic_peer(out=None):
                      f"{same_ours} / {same_sdpa} / {same_det} |")
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
-    if out:
-        with open(out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    _write_table(out, lines)
 
 
 def main(argv=None):
