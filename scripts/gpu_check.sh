@@ -4,6 +4,8 @@
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=pair bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's head pairs (GQA): tests and bench
 #   ONLY=dkdv bash scripts/gpu_check.sh [OUTDIR]   the Gluon dK/dV pass's TMA stores: tests and fwd+bwd bench
+#   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
+#     backward's per-kernel times (scripts/profile_attention_bwd.py)
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=tests-attn / ONLY=tests-decode bash scripts/gpu_check.sh [OUTDIR]   ONLY=tests in two (a cold machine)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
@@ -60,6 +62,13 @@ if [ "${ONLY:-}" = dkdv ]; then
   # dK/dV out by TMA in the Gluon dK/dV pass: its tests, then fwd+bwd with it on and off.
   step "gluon dK/dV tests" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'dkdv or routes' 2>&1 | tee '$out/gpu_dkdv_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench dK/dV stores" "$(lim 150)" $PY scripts/bench_attention.py --dkdv-store "$out/bench_dkdv_store.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = bwdprobe ]; then
+  # The backward against its deterministic peer, and where its time goes (the case for a fused, ordered dQ).
+  step "bench attention, deterministic peer" "$(lim 200)" $PY scripts/bench_attention.py --deterministic-peer "$out/bench_attention_deterministic.md"
+  step "profile attention backward" "$(lim 150)" $PY scripts/profile_attention_bwd.py --out "$out/profile_attention_bwd.txt"
   echo "gpu_check status: $status"
   exit $status
 fi
@@ -161,7 +170,6 @@ fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
   if [ -f scripts/bench_attention.py ] && [ "${SKIP_ATTN:-0}" != 1 ]; then
     step "bench attention" "$(lim 150)" $PY scripts/bench_attention.py --out "$out/bench_attention.md"
-    step "bench attention, deterministic peer" "$(lim 150)" $PY scripts/bench_attention.py --deterministic-peer "$out/bench_attention_deterministic.md"
     step "bench gluon variants" "$(lim 200)" $PY scripts/bench_attention.py --gluon "$out/bench_gluon.md"
     if [ "$ws_ok" = 1 ]; then
       step "bench warp-specialised forward (experimental)" "$(lim 60)" $PY scripts/bench_attention.py --gluon-ws "$out/bench_gluon_ws.md"
