@@ -47,7 +47,7 @@ import os
 
 import torch
 
-from .gluon_fwd import _split_head_dim, _tma_ready, _tma_view
+from .gluon_fwd import _SMEM_BYTES, _split_head_dim, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -73,7 +73,6 @@ _LOG2E = 1.4426950408889634
 # 220 KB, -1.0% (2 x 16 x 8192) and +1.0% (4 x 128 x 2048). "auto" (default): where Dqk is one power of two
 # (d 128: 192 KB); "1": wherever the buffers fit (192/128 too); "0": never. MLA_ATTN_GLUON_DKDV_TMA_STORE overrides.
 DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto")
-_SMEM_BYTES = 227 * 1024 - 1024  # as gluon_fwd: the H200's shared memory a block may take, less the barriers
 
 if AVAILABLE:
     from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward

@@ -552,19 +552,15 @@ if AVAILABLE:
         return pid_bh, j
 
     @gluon.jit
-    def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M: gl.constexpr,
+    def _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS: gl.constexpr,
               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, BH=0, TAIL_BH=0,
               TAIL: gl.constexpr = False, PAIR: gl.constexpr = False):
         """Work item w, numbered in the non-persistent grid's launch order -> (row block, i_b, i_h, Q's first
-        row and column, (K's first row and column, V's first row and column), key tiles). PAIR: BH counts head
-        pairs, and a row block is BLOCK_M / 2 rows of each head of its pair."""
+        row and column, (K's first row and column, V's first row and column), key tiles). A row block is ROWS
+        rows of each head of its unit; PAIR: BH counts head pairs."""
         pid_bh, pid_m = _order(w, n_mb, BH, TAIL_BH, TAIL)
         if CAUSAL:
             pid_m = n_mb - 1 - pid_m
-        if PAIR:
-            ROWS: gl.constexpr = BLOCK_M // 2
-        else:
-            ROWS: gl.constexpr = BLOCK_M
         i_b, i_h, q_row0, q_col0, k_r0, k_c0, v_r0, v_c0 = _block_rows(
             pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N, CAUSAL,
             TOKEN_MAJOR, PAIR)
@@ -596,7 +592,7 @@ if AVAILABLE:
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
                          BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr, TAIL_BH, TAIL: gl.constexpr,
-                         PAIR: gl.constexpr):
+                         PAIR: gl.constexpr, ROWS: gl.constexpr):
         """PERSISTENT. Program p takes work item p, then the next one from _next_work, in the
         order the non-persistent grid launches its programs. Once a block's key loop is done (every load
         waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
@@ -608,18 +604,14 @@ if AVAILABLE:
 
         Measured on the H200: see the module docstring (the first version, c97a5b7, with an acq_rel atomic at
         the loop top broadcast behind a CTA barrier, was 6-12% slower than the grid; this one is 2-3% faster
-        at d 128). PAIR: BH counts head pairs, and a block is BLOCK_M / 2 rows of each head of its pair."""
-        if PAIR:
-            ROWS: gl.constexpr = BLOCK_M // 2
-        else:
-            ROWS: gl.constexpr = BLOCK_M
+        at d 128). PAIR: BH counts head pairs, and a block is ROWS = BLOCK_M / 2 rows of each head of its pair."""
         n_mb = gl.cdiv(M, ROWS)
         total = n_mb * BH
         w = gl.program_id(0)
         r = 0
         if w < total:
             _, _, _, q_row0, q_col0, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-                                                              V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
+                                                              V_RB, V_RH, V_CH, ROWS, BLOCK_N, CAUSAL, TOKEN_MAJOR,
                                                               BH, TAIL_BH, TAIL, PAIR)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
                          bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH, Q_CH, PAIR)
@@ -628,7 +620,7 @@ if AVAILABLE:
                 _block_stamp(BT, w * 9, 0)
             w_next, r = _next_work(w, r, COUNTER, SCHEDULE)
             pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-                                                            V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N, CAUSAL, TOKEN_MAJOR,
+                                                            V_RB, V_RH, V_CH, ROWS, BLOCK_N, CAUSAL, TOKEN_MAJOR,
                                                             BH, TAIL_BH, TAIL, PAIR)
             acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
                                                 k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
@@ -648,7 +640,7 @@ if AVAILABLE:
             fence_async_shared()
             if w_next < total:
                 _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
-                    w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, BLOCK_M, BLOCK_N,
+                    w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N,
                     CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL, PAIR)
                 _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
                              q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH,
@@ -739,7 +731,7 @@ if AVAILABLE:
                              stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
                              o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
                              PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT, SCHEDULE, o_desc, o_smem, TMA_STORE,
-                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL, PAIR)
+                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL, PAIR, ROWS)
         else:
             n_tiles = _block_tiles(pid_m, M, N, ROWS, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
