@@ -391,38 +391,53 @@ def _train_row(b, hq, hkv, n, dqk, dv):
     return dqk ** -0.5, 3.5 * 2 * b * hq * n * n * (dqk + dv) / 2, q, k, v, do
 
 
-def bench_dkdv_store(out=None, rounds=5):
-    """Forward + backward through the public op with the Gluon dK/dV pass storing dK/dV by TMA
-    (``gluon_bwd.DKDV_TMA_STORE``) or directly, and SDPA, on every benchmark row: ``rounds`` rounds, the order
-    rotated each round, medians kept."""
-    from mla_attn.ops.attention import gluon_bwd
-
-    lines = ["| B | Hq/Hkv | L | Dqk/Dv | fwd+bwd, dK/dV by TMA TF/s | direct stores TF/s | TMA / direct | SDPA TF/s "
-             "| TMA / SDPA |", "|---|---|---|---|---|---|---|---|---|"]
-    for b, hq, hkv, n, dqk, dv in ROWS:
+def _bench_toggle(out, mod, attr, values, labels, rows, rounds=5):
+    """Forward + backward through the public op with ``mod.attr`` set to each of ``values`` (two), and SDPA,
+    on ``rows``: ``rounds`` rounds, the order rotated each round, medians kept."""
+    a, b_ = labels
+    lines = [f"| B | Hq/Hkv | L | Dqk/Dv | fwd+bwd, {a} TF/s | {b_} TF/s | {a} / {b_} | SDPA TF/s | {a} / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in rows:
         scale, flops, q, k, v, do = _train_row(b, hq, hkv, n, dqk, dv)
 
-        def ours(on):
+        def ours(value):
             def run():
-                old, gluon_bwd.DKDV_TMA_STORE = gluon_bwd.DKDV_TMA_STORE, on
+                old = getattr(mod, attr)
+                setattr(mod, attr, value)
                 try:
                     _ours(q, k, v, scale).backward(do)
                 finally:
-                    gluon_bwd.DKDV_TMA_STORE = old
+                    setattr(mod, attr, old)
             return run
 
-        cands = {"tma": ours("1"), "direct": ours("0"), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
+        cands = {a: ours(values[0]), b_: ours(values[1]), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
         names = list(cands)
         times = {nm: [] for nm in names}
         for r in range(rounds):
             for nm in names[r % len(names):] + names[:r % len(names)]:
                 times[nm].append(_ms(cands[nm], [q, k, v]))
         tf = {nm: flops / (sorted(ts)[len(ts) // 2] * 1e-3) / 1e12 for nm, ts in times.items()}
-        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf['tma']:.0f} | {tf['direct']:.0f} | "
-                     f"{tf['tma'] / tf['direct']:.3f} | {tf['sdpa']:.0f} | {tf['tma'] / tf['sdpa']:.3f} |")
+        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf[a]:.0f} | {tf[b_]:.0f} | "
+                     f"{tf[a] / tf[b_]:.3f} | {tf['sdpa']:.0f} | {tf[a] / tf['sdpa']:.3f} |")
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     _write_table(out, lines)
+
+
+def bench_dkdv_store(out=None, rounds=5):
+    """The Gluon dK/dV pass storing dK/dV by TMA (``gluon_bwd.DKDV_TMA_STORE``) or directly, on every row."""
+    from mla_attn.ops.attention import gluon_bwd
+
+    _bench_toggle(out, gluon_bwd, "DKDV_TMA_STORE", ("1", "0"), ("dK/dV by TMA", "direct stores"), ROWS, rounds)
+
+
+def bench_fused_bwd(out=None, rounds=5):
+    """The one-pass backward (``gluon_bwd_fused.FUSED_BWD``) against the two-pass one, on the rows it takes
+    (Dqk 64 / 128) and two more GQA shapes."""
+    from mla_attn.ops.attention import gluon_bwd_fused
+
+    rows = [r for r in ROWS if r[4] <= 128] + [(4, 32, 8, 4096, 128, 128), (16, 16, 8, 1024, 128, 128)]
+    _bench_toggle(out, gluon_bwd_fused, "FUSED_BWD", ("1", "0"), ("one pass", "two passes"), rows, rounds)
 
 
 def _same_grads_twice(fn, leaves):
@@ -488,13 +503,14 @@ def main(argv=None):
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
+    ap.add_argument("--fused-bwd", metavar="OUT", help="only: fwd+bwd with the one-pass backward or the two-pass one, and SDPA")
     ap.add_argument("--deterministic-peer", metavar="OUT",
                     help="only: fwd+bwd against SDPA in PyTorch's deterministic mode, and who repeats its gradients")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store,
+            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

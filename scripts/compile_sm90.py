@@ -73,7 +73,7 @@ def _ptxas() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=["decode", "combine", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_ws",
+    ap.add_argument("kernel", choices=["decode", "combine", "fwd", "gluon", "dkdv", "dq", "gluon_dkdv", "gluon_dq", "gluon_fused", "gluon_ws",
                                            "gluon_mla"])
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
@@ -239,6 +239,25 @@ def main():
                 const["TMA_STORE"] = True
             else:
                 const.update(dk_desc=None, dk1_desc=None, dv_desc=None, TMA_STORE=False)
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+    elif args.kernel == "gluon_fused":  # the one-pass Gluon backward (gluon_bwd_fused.py), d = --dqk
+        from triton.experimental.gluon import language as gl
+
+        from mla_attn.ops.attention.gluon_bwd_fused import _bwd_fused_gluon as fn
+
+        def desc(rows, cols):
+            return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+        ptrs = {"q_desc": desc(a, args.dqk), "do_desc": desc(a, args.dv), "k_desc": desc(b, args.dqk),
+                "v_desc": desc(b, args.dv), "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*bf16", "DQACC": "*fp32",
+                "SEM": "*i32", "DK": "*bf16", "DV": "*bf16"}
+        const = dict(D_QK=args.dqk, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
+                     TOKEN_MAJOR=args.token_major, num_warps=warps)
+        if args.tma_store:
+            ptrs.update(dk_desc=desc(b, args.dqk), dv_desc=desc(b, args.dv))
+            const["TMA_STORE"] = True
+        else:
+            const.update(dk_desc=None, dv_desc=None, TMA_STORE=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
         from mla_attn.ops.attention import triton_bwd

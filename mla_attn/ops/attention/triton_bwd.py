@@ -432,6 +432,14 @@ def flash_attn_bwd(
         from . import gluon_bwd
 
         gluon_ok = gluon_bwd.supported(q, k, v)
+    if gluon_ok and dkdv_config is None and dq_config is None and GLUON_DKDV:
+        from . import gluon_bwd_fused
+
+        if gluon_bwd_fused.FUSED_BWD == "1" and gluon_bwd_fused.supported(q, k, v):
+            # dK, dV and dQ in one pass (the side stream, forked above, has nothing queued on it).
+            gluon_bwd_fused.bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, causal=bool(causal), scale=scale,
+                                            token_major=not contiguous)
+            return dq, dk, dv
     dkdv_done = gluon_ok and dkdv_config is None and GLUON_DKDV
     if dkdv_done:
         gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,

@@ -1,0 +1,279 @@
+"""The flash-attention backward in one Gluon pass for Hopper: dK, dV and dQ from the same score tiles.
+
+Why: the two-pass backward (``gluon_bwd._dkdv_gluon``, then a dQ pass) computes S and dP twice, so it
+runs 7 GEMMs of a tile where the FLOP count has 5. Each pass runs at 500-535 TFLOP/s on the H200
+(``scripts/profile_attention_bwd.py``, session 21), so the two extra GEMMs are ~28% of the backward.
+
+Schedule: ``_dkdv_gluon``'s (a program owns BLOCK_N = 128 keys of one KV head, two warpgroups, and walks
+the row tiles of every query head of its group that can see them; Q and dO row tiles stream by TMA),
+with dS^T also written to shared memory, from where it feeds both dK += dS^T Q and a third product,
+dQ_j = dS_j K (a [BLOCK_M, D] partial, the two warpgroups splitting D). The partial is added into an
+fp32 workspace row tile.
+
+Deterministic: the partials of a row tile are added in one fixed order, highest key block first, each
+behind a per-row-tile counter (the count of key blocks above this one that have added theirs). The
+first contributor stores, the middle ones add, the last (key block 0) adds, scales and writes dq in
+the input dtype, so there is no memset and no conversion pass. Programs launch highest key block first
+within a (batch, KV head), so every program a waiting one depends on has launched before it: no
+deadlock, and, as a key block's program reaches a row tile after the one above it did, waits are rare.
+
+Scope: bf16/fp16, Dqk 64 or 128 (one power of two: the dQ product splits it between the warpgroups),
+Dv 64 or 128, inputs head-major or token-major as ``gluon_bwd.dkdv_gluon``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .gluon_bwd import _LOG2E
+from .gluon_fwd import _SMEM_BYTES, _tma_view
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .._gluon_compat import VERSION_OK as _VERSION_OK
+    from .._gluon_compat import thread_barrier as _thread_barrier
+    from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import tma_store as _tma_store
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+# "1": flash_attn_bwd runs this pass where ``supported`` says so; "0": the two-pass backward.
+FUSED_BWD = os.environ.get("MLA_ATTN_GLUON_FUSED_BWD", "0")
+
+if AVAILABLE:
+    from .gluon_bwd import _load_rows
+
+    @gluon.jit
+    def _bwd_fused_gluon(
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, DQACC, SEM, DK, DV,
+        qk_scale, scale, M, N, H, HK, GROUP_N,
+        Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+        D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
+        dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False,
+    ):
+        # DQACC: fp32 [B * H * m_tiles * BLOCK_M, D_QK], row tile (b, h, r) at rows ((b * H + h) * m_tiles
+        # + r) * BLOCK_M; SEM: int32 [B * H * m_tiles], zero at launch.
+        n_kb = gl.num_programs(0)
+        pid_n = n_kb - 1 - gl.program_id(0)  # the highest key block launches first: see the module doc
+        pid_bh = gl.program_id(1)
+        i_b = pid_bh // HK
+        i_hk = pid_bh % HK
+        n0 = pid_n * BLOCK_N
+        lay = (Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH)
+        if TOKEN_MAJOR:
+            kv_row0 = i_b * K_RB + i_hk * K_RH + n0
+            k_col0 = i_hk * K_CH
+            v_row0 = i_b * V_RB + i_hk * V_RH + n0
+            v_col0 = i_hk * V_CH
+        else:
+            kv_row0 = pid_bh * N + n0
+            k_col0 = 0
+            v_row0 = kv_row0
+            v_col0 = 0
+        shift = N - M
+        m_tiles = gl.cdiv(M, BLOCK_M)
+
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_QK, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D_V, 16])
+        # dQ_j [BLOCK_M, D_QK]: the rows in one warpgroup's four warps, D split between the warpgroups.
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                            instr_shape=[16, D_QK // (num_warps // 4), 16])
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if BLOCK_M * 2 >= 128 else BLOCK_M * 2,
+                                                       element_bitwidth=16, rank=2)
+        # The write-out of dQ_j: 16-byte vectors along a row, WO_ROWS rows at a time.
+        WO_COLS: gl.constexpr = D_QK // 4  # threads along a row
+        wo_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // WO_COLS, WO_COLS],
+                                                   warps_per_cta=[num_warps, 1], order=[1, 0])
+        WO_ROWS: gl.constexpr = (32 // WO_COLS) * num_warps
+        dqs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        dtype: gl.constexpr = q_desc.dtype
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D_QK], dqs_layout)
+        if TMA_STORE:
+            dk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], dk_desc.layout)
+            dv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], dv_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+
+        rt0 = 0
+        if CAUSAL:
+            rt0 = gl.minimum(gl.maximum(n0 - shift, 0) // BLOCK_M, m_tiles)
+        n_rt = m_tiles - rt0
+        n_tiles = GROUP_N * n_rt
+
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
+        _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
+        for i in gl.static_range(STAGES):
+            _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
+                       GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
+
+        dk = gl.zeros([BLOCK_N, D_QK], gl.float32, layout=dk_layout)
+        dv = gl.zeros([BLOCK_N, D_V], gl.float32, layout=dv_layout)
+        st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+        pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        o_key = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        o_rl = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        o_wr = gl.arange(0, WO_ROWS, layout=gl.SliceLayout(1, wo_layout))
+        o_wd = gl.arange(0, D_QK, layout=gl.SliceLayout(0, wo_layout))
+
+        mbarrier.wait(kv_bar, 0)
+        for t in range(0, n_tiles):
+            stage = t % STAGES
+            g = t // n_rt
+            r = rt0 + t % n_rt
+            start_m = r * BLOCK_M
+            o_row = start_m + o_rl
+            hq = i_hk * GROUP_N + g
+            stat = (i_b * H + hq).to(gl.int64) * M
+            lse = gl.load(LSE + stat + o_row, mask=o_row < M, other=float("-inf"))
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            delta = gl.load(DELTA + stat + o_row, mask=o_row < M, other=0.0)
+
+            mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
+            s_t = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), st_zero, use_acc=False,
+                                 is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if CAUSAL:
+                p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+            ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            _thread_barrier()  # both warpgroups' halves of dS^T are in place
+            dk = warpgroup_mma(ds_smem, q_smem.index(stage), dk, is_async=True)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, D_QK], gl.float32, layout=dq_layout),
+                               use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+
+            # dQ_j into row tile (b, hq, r), in the order kmax(r), kmax(r) - 1, ..., 0, through shared memory
+            # (the accumulator's registers are needed back; the write-out runs in row chunks).
+            dq_smem.store(dq)
+            kmax = n_kb - 1
+            if CAUSAL:
+                kmax = gl.minimum((start_m + BLOCK_M - 1 + shift) // BLOCK_N, n_kb - 1)
+            tile = (i_b * H + hq) * m_tiles + r
+            if pid_n != kmax:  # wait for the key blocks above this one
+                need = kmax - pid_n
+                seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
+                while seen < need:
+                    seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
+            _thread_barrier()  # dQ_j is in shared memory
+            for c in gl.static_range(0, BLOCK_M, WO_ROWS):
+                part = dq_smem.slice(c, WO_ROWS, dim=0).load(wo_layout)
+                rows = c + o_wr
+                acc = DQACC + (tile.to(gl.int64) * BLOCK_M + rows)[:, None] * D_QK + o_wd[None, :]
+                if pid_n == 0:  # the last contributor: dq in the input dtype
+                    if pid_n != kmax:
+                        part += gl.load(acc, cache_modifier=".cg")
+                    o_m = start_m + rows
+                    dst = DQ + (stat + o_m.to(gl.int64))[:, None] * D_QK + o_wd[None, :]
+                    gl.store(dst, (part * scale).to(DQ.dtype.element_ty), mask=(o_m < M)[:, None])
+                elif pid_n == kmax:
+                    gl.store(acc, part)
+                else:
+                    gl.atomic_add(acc, part, sem="relaxed")
+            if pid_n != 0:
+                _thread_barrier()  # every thread's part of the tile is out
+                gl.atomic_add(SEM + tile, 1, sem="release")
+
+            _thread_barrier()
+            _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
+                       i_hk, GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
+
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+        if TMA_STORE and n0 + BLOCK_N <= N:
+            dk_smem.store((dk * scale).to(dtype))
+            dv_smem.store(dv.to(dtype))
+            fence_async_shared()
+            _thread_barrier()
+            row = pid_bh * N + n0
+            _tma_store(dk_desc, [row, 0], dk_smem)
+            _tma_store(dv_desc, [row, 0], dv_smem)
+            tma.store_wait(0)
+        else:
+            base = pid_bh.to(gl.int64) * N
+            o_nk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+            o_dk = gl.arange(0, D_QK, layout=gl.SliceLayout(0, dk_layout))
+            gl.store(DK + (base + o_nk.to(gl.int64))[:, None] * D_QK + o_dk[None, :],
+                     (dk * scale).to(DK.dtype.element_ty), mask=(o_nk < N)[:, None])
+            o_nv = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+            o_dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, dv_layout))
+            gl.store(DV + (base + o_nv.to(gl.int64))[:, None] * D_V + o_dv[None, :], dv.to(DV.dtype.element_ty),
+                     mask=(o_nv < N)[:, None])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`bwd_fused_gluon` takes these inputs."""
+    if not (AVAILABLE and _VERSION_OK and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] in (64, 128) and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)
+
+
+def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
+                    block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
+                    tma_store: bool | None = None):
+    """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
+    k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
+    bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
+    b, h, m, d_qk = q.shape
+    hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+    assert lse.is_contiguous() and delta.is_contiguous() and n > 0 and m > 0
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    views = [_tma_view(t, token_major) for t in (q, do, k, v)]
+    (q2, *_), (do2, *_), (k2, *_), (v2, *_) = views
+    lay = [x for vw in views for x in vw[1:]]
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+
+    m_tiles = (m + block_m - 1) // block_m
+    dqacc = torch.empty((b * h * m_tiles * block_m, d_qk), device=q.device, dtype=torch.float32)
+    sem = torch.zeros((b * h * m_tiles,), device=q.device, dtype=torch.int32)
+    if causal and m > n:
+        # Row tiles whose rows all see no key get no contribution: their dq is zero.
+        dq[:, :, :m - n].zero_()
+    smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + block_n * block_m) + 4 * block_m * d_qk
+    extra = {}
+    if tma_store is None:
+        tma_store = smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES
+    if tma_store and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
+        extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
+                 "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
+    grid = ((n + block_n - 1) // block_n, b * hk)
+    _bwd_fused_gluon[grid](
+        desc(q2, block_m, d_qk), desc(k2, block_n, d_qk), desc(v2, block_n, d_v), desc(do2, block_m, d_v),
+        lse, delta, dq, dqacc, sem, dk, dv,
+        scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
+        D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, **extra,
+    )
+    return dq, dk, dv
