@@ -24,12 +24,12 @@ needs_hopper = pytest.mark.skipif(not (HOPPER and fused.AVAILABLE), reason="need
 # (B, Hq, Hkv, M, N, D_qk, D_v, causal)
 CASES = [
     (1, 4, 1, 130, 65, 128, 128, True),      # M > N: the first 65 rows see no key (dq 0, no contributor)
-    (1, 3, 3, 1, 1, 64, 64, False),           # one row, one key
+    (1, 3, 3, 1, 1, 128, 64, False),          # one row, one key
     (1, 2, 2, 333, 257, 128, 64, False),      # ragged, Dv < Dqk
     (1, 8, 2, 600, 600, 128, 128, True),      # GQA 4, a partial last key block
     (2, 8, 2, 512, 512, 128, 128, True),      # whole key blocks only
     (1, 4, 4, 1023, 1024, 128, 128, True),    # cached prefix of 1, ragged last row tile
-    (2, 6, 3, 63, 113, 64, 64, True),         # M < N, odd sizes, d 64
+    (2, 6, 3, 63, 113, 128, 64, True),        # M < N, odd sizes, Dv 64
     (1, 9, 3, 200, 200, 128, 128, False),     # non-power-of-two heads
     (1, 8, 1, 257, 640, 128, 128, True),      # MQA
     (2, 32, 8, 2048, 2048, 128, 128, True),   # 256 programs: more than the H200 holds at once
@@ -104,8 +104,9 @@ def test_fused_backward_is_deterministic_and_writes_everything(case, token_major
 @pytest.mark.gpu
 @needs_hopper
 def test_fused_backward_supported_shapes():
-    """Dqk 64 / 128 only (the dQ product splits Dqk between the warpgroups); 192/128 stays two-pass."""
+    """Dqk 128 only (the dQ product splits Dqk between the warpgroups); 64 and 192/128 stay two-pass."""
     mk = (lambda *s: torch.empty(*s, device="cuda", dtype=torch.bfloat16))
     assert fused.supported(mk(1, 2, 8, 128), mk(1, 2, 8, 128), mk(1, 2, 8, 128))
     assert not fused.supported(mk(1, 2, 8, 192), mk(1, 2, 8, 192), mk(1, 2, 8, 128))
+    assert not fused.supported(mk(1, 2, 8, 64), mk(1, 2, 8, 64), mk(1, 2, 8, 64))
     assert not fused.supported(mk(1, 2, 8, 128).float(), mk(1, 2, 8, 128).float(), mk(1, 2, 8, 128).float())

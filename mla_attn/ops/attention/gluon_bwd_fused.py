@@ -17,7 +17,8 @@ the input dtype, so there is no memset and no conversion pass. Programs launch h
 within a (batch, KV head), so every program a waiting one depends on has launched before it: no
 deadlock, and, as a key block's program reaches a row tile after the one above it did, waits are rare.
 
-Scope: bf16/fp16, Dqk 64 or 128 (one power of two: the dQ product splits it between the warpgroups),
+Scope: bf16/fp16, Dqk 128 (the dQ product splits it between the warpgroups, 64 columns each: at Dqk 64 the
+halves of K's 128-byte swizzled rows gave wrong dQ on the H200, session 21),
 Dv 64 or 128, inputs head-major or token-major as ``gluon_bwd.dkdv_gluon``.
 """
 
@@ -57,8 +58,12 @@ if AVAILABLE:
         Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
         D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
-        dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False,
+        dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
+        P_SMEM: gl.constexpr = False,
     ):
+        # DQ_MODE (diagnostics, scripts/probe_fused_bwd.py): 0 the ordered adds (atomic); 1 ordered, a middle
+        # contributor loads, adds and stores; 2 atomic adds in any order (not deterministic); 3 no dQ out.
+        # P_SMEM: P^T goes to shared memory for dV += P^T dO, as dS^T does (fewer registers).
         # DQACC: fp32 [B * H * m_tiles * BLOCK_M, D_QK], row tile (b, h, r) at rows ((b * H + h) * m_tiles
         # + r) * BLOCK_M; SEM: int32 [B * H * m_tiles], zero at launch.
         n_kb = gl.num_programs(0)
@@ -105,6 +110,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        if P_SMEM:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D_QK], dqs_layout)
         if TMA_STORE:
             dk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], dk_desc.layout)
@@ -158,7 +165,14 @@ if AVAILABLE:
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             if CAUSAL:
                 p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv, is_async=True)
+            if P_SMEM:
+                p_smem.store(p_t.to(dtype))
+                fence_async_shared()
+                _thread_barrier()
+                dv = warpgroup_mma(p_smem, do_smem.index(stage), dv, is_async=True)
+            else:
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv,
+                                   is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
             ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
             ds_smem.store(ds_t)
@@ -176,7 +190,7 @@ if AVAILABLE:
             if CAUSAL:
                 kmax = gl.minimum((start_m + BLOCK_M - 1 + shift) // BLOCK_N, n_kb - 1)
             tile = (i_b * H + hq) * m_tiles + r
-            if pid_n != kmax:  # wait for the key blocks above this one
+            if pid_n != kmax and DQ_MODE < 2:  # wait for the key blocks above this one
                 need = kmax - pid_n
                 seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
                 while seen < need:
@@ -192,8 +206,12 @@ if AVAILABLE:
                     o_m = start_m + rows
                     dst = DQ + (stat + o_m.to(gl.int64))[:, None] * D_QK + o_wd[None, :]
                     gl.store(dst, (part * scale).to(DQ.dtype.element_ty), mask=(o_m < M)[:, None])
+                elif DQ_MODE == 3:
+                    pass
                 elif pid_n == kmax:
                     gl.store(acc, part)
+                elif DQ_MODE == 1:
+                    gl.store(acc, part + gl.load(acc, cache_modifier=".cg"))
                 else:
                     gl.atomic_add(acc, part, sem="relaxed")
             if pid_n != 0:
@@ -234,12 +252,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (AVAILABLE and _VERSION_OK and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and q.shape[-1] in (64, 128) and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)
+            and q.shape[-1] == 128 and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)
 
 
 def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
                     block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
-                    tma_store: bool | None = None):
+                    tma_store: bool | None = None, dq_mode: int = 0, p_smem: bool = False):
     """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
     k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
     bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
@@ -261,7 +279,7 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     if causal and m > n:
         # Row tiles whose rows all see no key get no contribution: their dq is zero.
         dq[:, :, :m - n].zero_()
-    smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + block_n * block_m) + 4 * block_m * d_qk
+    smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + (1 + p_smem) * block_n * block_m) + 4 * block_m * d_qk
     extra = {}
     if tma_store is None:
         tma_store = smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES
@@ -274,6 +292,6 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
         lse, delta, dq, dqacc, sem, dk, dv,
         scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
         D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, **extra,
+        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, DQ_MODE=dq_mode, P_SMEM=p_smem, **extra,
     )
     return dq, dk, dv
