@@ -1,7 +1,7 @@
 """Where the one-pass backward's time goes (gluon_bwd_fused.py), on the H200.
 
-Times the fused kernel alone under its diagnostic DQ_MODEs (0 ordered atomic adds, 1 ordered
-load-add-store, 2 atomic adds in any order, 3 no dQ out at all) and with P^T through shared memory,
+Times the fused kernel alone at three tile choices (rows a step, ring stages), with its dQ out in order
+(DQ_MODE 0) and with no dQ out at all (DQ_MODE 3: what the rest costs),
 against the two-pass backward's kernels alone (the Gluon dK/dV pass, the Triton dQ pass), on causal
 bf16 rows. Each time a do_bench median; TFLOP/s count the backward's 2.5 x forward FLOPs.
 
@@ -47,11 +47,10 @@ def main(argv=None):
             lines.append(f"| {b} | {hq}/{hkv} | {n} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
 
-        for mode in (0, 1, 2, 3):
-            add(f"fused, DQ_MODE {mode}", lambda m=mode: gluon_bwd_fused.bwd_fused_gluon(
-                q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, dq_mode=m))
-        add("fused, DQ_MODE 0, P^T in smem", lambda: gluon_bwd_fused.bwd_fused_gluon(
-            q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, p_smem=True))
+        for bm, st in ((32, 3), (32, 2), (64, 2)):
+            for mode in (0, 3):
+                add(f"fused, rows {bm}, stages {st}, DQ_MODE {mode}", lambda m=mode, bm=bm, st=st: gluon_bwd_fused.bwd_fused_gluon(
+                    q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, dq_mode=m, block_m=bm, stages=st))
         add("two-pass: Gluon dK/dV pass alone", lambda: gluon_bwd.dkdv_gluon(
             q, k, v, do, lse, delta, dk, dv, causal=True, scale=scale))
         add("two-pass: whole backward (flash_attn_bwd, fused off)", lambda: triton_bwd.flash_attn_bwd(

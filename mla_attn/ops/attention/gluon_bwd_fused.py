@@ -104,6 +104,7 @@ if AVAILABLE:
         WO_ROWS: gl.constexpr = (32 // WO_COLS) * num_warps
         dqs_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         dtype: gl.constexpr = q_desc.dtype
+        DQ_T: gl.constexpr = BLOCK_M < 64  # dQ_j's rows too few for a warpgroup: compute its transpose
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
@@ -112,7 +113,10 @@ if AVAILABLE:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
         if P_SMEM:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D_QK], dqs_layout)
+        if DQ_T:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [D_QK, BLOCK_M], dqs_layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D_QK], dqs_layout)
         if TMA_STORE:
             dk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], dk_desc.layout)
             dv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], dv_desc.layout)
@@ -163,8 +167,10 @@ if AVAILABLE:
                                  is_async=True)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            if CAUSAL:
+            if CAUSAL:  # keys past N are past every row's diagonal too
                 p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
+            else:  # keys past N (another head's rows) must not reach dQ
+                p_t = gl.where((o_key < N)[:, None], p_t, 0.0)
             if P_SMEM:
                 p_smem.store(p_t.to(dtype))
                 fence_async_shared()
@@ -178,14 +184,19 @@ if AVAILABLE:
             ds_smem.store(ds_t)
             fence_async_shared()
             _thread_barrier()  # both warpgroups' halves of dS^T are in place
-            dk = warpgroup_mma(ds_smem, q_smem.index(stage), dk, is_async=True)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, D_QK], gl.float32, layout=dq_layout),
-                               use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-
-            # dQ_j into row tile (b, hq, r), in the order kmax(r), kmax(r) - 1, ..., 0, through shared memory
-            # (the accumulator's registers are needed back; the write-out runs in row chunks).
+            # dQ_j first, waited for (with dV) and put in shared memory before dK's product is issued: the
+            # three accumulators are never in flight together (that spilled ~300 bytes a thread).
+            if DQ_T:  # dQ_j^T = K^T dS_j^T [D_QK, BLOCK_M], D split between the warpgroups
+                dq = warpgroup_mma(k_smem.permute((1, 0)), ds_smem,
+                                   gl.zeros([D_QK, BLOCK_M], gl.float32, layout=st_layout), use_acc=False,
+                                   is_async=True)
+            else:
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem,
+                                   gl.zeros([BLOCK_M, D_QK], gl.float32, layout=dq_layout), use_acc=False,
+                                   is_async=True)
+            dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dq))
             dq_smem.store(dq)
+            dk = warpgroup_mma(ds_smem, q_smem.index(stage), dk, is_async=True)
             kmax = n_kb - 1
             if CAUSAL:
                 kmax = gl.minimum((start_m + BLOCK_M - 1 + shift) // BLOCK_N, n_kb - 1)
@@ -197,7 +208,10 @@ if AVAILABLE:
                     seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
             _thread_barrier()  # dQ_j is in shared memory
             for c in gl.static_range(0, BLOCK_M, WO_ROWS):
-                part = dq_smem.slice(c, WO_ROWS, dim=0).load(wo_layout)
+                if DQ_T:
+                    part = dq_smem.slice(c, WO_ROWS, dim=1).permute((1, 0)).load(wo_layout)
+                else:
+                    part = dq_smem.slice(c, WO_ROWS, dim=0).load(wo_layout)
                 rows = c + o_wr
                 acc = DQACC + (tile.to(gl.int64) * BLOCK_M + rows)[:, None] * D_QK + o_wd[None, :]
                 if pid_n == 0:  # the last contributor: dq in the input dtype
@@ -218,6 +232,7 @@ if AVAILABLE:
                 _thread_barrier()  # every thread's part of the tile is out
                 gl.atomic_add(SEM + tile, 1, sem="release")
 
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             _thread_barrier()
             _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
                        i_hk, GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
@@ -255,9 +270,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.shape[-1] == 128 and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)
 
 
-def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
-                    block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
-                    tma_store: bool | None = None, dq_mode: int = 0, p_smem: bool = False):
+def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 32,
+                    block_n: int = 128, stages: int = 3, num_warps: int = 8, token_major: bool = False,
+                    tma_store: bool = False, dq_mode: int = 0, p_smem: bool = False):
     """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
     k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
     bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
@@ -281,9 +296,8 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
         dq[:, :, :m - n].zero_()
     smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + (1 + p_smem) * block_n * block_m) + 4 * block_m * d_qk
     extra = {}
-    if tma_store is None:
-        tma_store = smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES
-    if tma_store and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
+    # dK/dV out by TMA needs 64 KB more shared memory, which leaves the L1 too little for the spills.
+    if tma_store and smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
                  "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
     grid = ((n + block_n - 1) // block_n, b * hk)
