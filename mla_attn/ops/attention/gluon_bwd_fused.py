@@ -62,7 +62,8 @@ if AVAILABLE:
         P_SMEM: gl.constexpr = False,
     ):
         # DQ_MODE (diagnostics, scripts/probe_fused_bwd.py): 0 the ordered adds (atomic); 1 ordered, a middle
-        # contributor loads, adds and stores; 2 atomic adds in any order (not deterministic); 3 no dQ out.
+        # contributor loads, adds and stores; 2 atomic adds in any order (not deterministic); 3 no dQ out;
+        # 4 no dQ out and no counters (the products and dQ_j into shared memory only); 5 as 2 without counters.
         # P_SMEM: P^T goes to shared memory for dV += P^T dO, as dS^T does (fewer registers).
         # DQACC: fp32 [B * H * m_tiles * BLOCK_M, D_QK], row tile (b, h, r) at rows ((b * H + h) * m_tiles
         # + r) * BLOCK_M; SEM: int32 [B * H * m_tiles], zero at launch.
@@ -201,13 +202,13 @@ if AVAILABLE:
             if CAUSAL:
                 kmax = gl.minimum((start_m + BLOCK_M - 1 + shift) // BLOCK_N, n_kb - 1)
             tile = (i_b * H + hq) * m_tiles + r
-            if pid_n != kmax and DQ_MODE < 2:  # wait for the key blocks above this one
+            if pid_n != kmax and (DQ_MODE < 2):  # wait for the key blocks above this one
                 need = kmax - pid_n
                 seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
                 while seen < need:
                     seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
             _thread_barrier()  # dQ_j is in shared memory
-            for c in gl.static_range(0, BLOCK_M, WO_ROWS):
+            for c in gl.static_range(0, BLOCK_M if DQ_MODE != 4 else 0, WO_ROWS):
                 if DQ_T:
                     part = dq_smem.slice(c, WO_ROWS, dim=1).permute((1, 0)).load(wo_layout)
                 else:
@@ -228,7 +229,7 @@ if AVAILABLE:
                     gl.store(acc, part + gl.load(acc, cache_modifier=".cg"))
                 else:
                     gl.atomic_add(acc, part, sem="relaxed")
-            if pid_n != 0:
+            if pid_n != 0 and DQ_MODE < 4:
                 _thread_barrier()  # every thread's part of the tile is out
                 gl.atomic_add(SEM + tile, 1, sem="release")
 
