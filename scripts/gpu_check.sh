@@ -132,14 +132,15 @@ fi
 # ~15 minutes, longer than one 10-minute device call: run it as these two calls there. On a cold machine
 # (no Triton cache) the tests alone pass 10 minutes: ONLY=tests-attn (flash attention's GPU tests) and
 # ONLY=tests-decode (the decode kernels', the layers', the demo) split them. The warp-specialised forward's
-# tests (experimental) run in ONLY=tests and ONLY=bench.
+# tests (experimental) run in ONLY=tests and ONLY=bench; the one-pass backward's (experimental, off) in
+# ONLY=fusedbwd.
 part=${ONLY:-all}
 ws_ok=0
 mla_ok=0
 case $part in
   tests-attn) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py" ;;
   tests-decode) gpu_files="tests/ops/test_decode_triton.py tests/layers" ;;
-  *) gpu_files="tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py" ;;
+  *) gpu_files="tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py --ignore=tests/ops/test_attention_fused_bwd.py" ;;
 esac
 if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = tests-attn ] || [ "$part" = tests-decode ]; then
   # the GPU-marked tests (the Gluon kernels' among them), and the layers' Triton wiring
