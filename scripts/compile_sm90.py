@@ -94,8 +94,7 @@ def main():
                     help="gluon: TMA_STORE (O out through Q's shared memory by TMA); gluon_dkdv: dK and dV out by TMA")
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
-    ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered atomic adds, 1 ordered load-add-store, 2 unordered, 3 none)")
-    ap.add_argument("--p-smem", action="store_true", help="gluon_fused: P_SMEM (P^T through shared memory for dV)")
+    ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered adds, 2 unordered, 4 no dQ out)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -254,7 +253,7 @@ def main():
                 "v_desc": desc(b, args.dv), "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*bf16", "DQACC": "*fp32",
                 "SEM": "*i32", "DK": "*bf16", "DV": "*bf16"}
         const = dict(D_QK=args.dqk, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
-                     TOKEN_MAJOR=args.token_major, num_warps=warps, DQ_MODE=args.dq_mode, P_SMEM=args.p_smem)
+                     TOKEN_MAJOR=args.token_major, num_warps=warps, DQ_MODE=args.dq_mode)
         if args.tma_store:
             ptrs.update(dk_desc=desc(b, args.dqk), dv_desc=desc(b, args.dv))
             const["TMA_STORE"] = True

@@ -52,6 +52,51 @@ if AVAILABLE:
     from .gluon_bwd import _load_rows
 
     @gluon.jit
+    def _load_stats(LSE, DELTA, t, n_tiles, n_rt, rt0, M, H, i_b, i_hk, GROUP_N, o_pf, BLOCK_M: gl.constexpr):
+        """lse (base 2; +inf for rows that see no key or lie past M) and delta of flat row tile t, one value a
+        thread (compact): they wait in shared memory for their tile, out of the registers the products need."""
+        g = t // gl.maximum(n_rt, 1)
+        rows = (rt0 + t % gl.maximum(n_rt, 1)) * BLOCK_M + o_pf
+        stat = (i_b * H + i_hk * GROUP_N + g).to(gl.int64) * M
+        ok = (rows < M) & (t < n_tiles)
+        lse = gl.load(LSE + stat + rows, mask=ok, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = gl.load(DELTA + stat + rows, mask=ok, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
+    def _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout: gl.constexpr,
+                BLOCK_M: gl.constexpr, D_QK: gl.constexpr, WO_ROWS: gl.constexpr, DQ_T: gl.constexpr):
+        """dQ_j (in shared memory) into its row tile, WO_ROWS rows at a time: the first contributor (kmax)
+        stores into the fp32 workspace, the middle ones add atomically, the last (key block 0) adds what is
+        there and writes dq in the input dtype. The caller has waited for its turn."""
+        base = DQACC + tile.to(gl.int64) * BLOCK_M * D_QK
+        if pid_n == 0:
+            for c in gl.static_range(0, BLOCK_M, WO_ROWS):
+                part = _dq_part(dq_smem, c, wo_layout, WO_ROWS, DQ_T)
+                rows = c + o_wr
+                if pid_n != kmax:
+                    part += gl.load(base + rows[:, None] * D_QK + o_wd[None, :], cache_modifier=".cg")
+                o_m = start_m + rows
+                dst = DQ + (stat + o_m.to(gl.int64))[:, None] * D_QK + o_wd[None, :]
+                gl.store(dst, (part * scale).to(DQ.dtype.element_ty), mask=(o_m < M)[:, None])
+        elif pid_n == kmax:
+            for c in gl.static_range(0, BLOCK_M, WO_ROWS):
+                part = _dq_part(dq_smem, c, wo_layout, WO_ROWS, DQ_T)
+                gl.store(base + (c + o_wr)[:, None] * D_QK + o_wd[None, :], part)
+        else:
+            for c in gl.static_range(0, BLOCK_M, WO_ROWS):
+                part = _dq_part(dq_smem, c, wo_layout, WO_ROWS, DQ_T)
+                gl.atomic_add(base + (c + o_wr)[:, None] * D_QK + o_wd[None, :], part, sem="relaxed")
+
+    @gluon.jit
+    def _dq_part(dq_smem, c, wo_layout: gl.constexpr, WO_ROWS: gl.constexpr, DQ_T: gl.constexpr):
+        if DQ_T:
+            return dq_smem.slice(c, WO_ROWS, dim=1).permute((1, 0)).load(wo_layout)
+        else:
+            return dq_smem.slice(c, WO_ROWS, dim=0).load(wo_layout)
+
+    @gluon.jit
     def _bwd_fused_gluon(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, DQACC, SEM, DK, DV,
         qk_scale, scale, M, N, H, HK, GROUP_N,
@@ -59,12 +104,11 @@ if AVAILABLE:
         D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
-        P_SMEM: gl.constexpr = False,
     ):
-        # DQ_MODE (diagnostics, scripts/probe_fused_bwd.py): 0 the ordered adds (atomic); 1 ordered, a middle
-        # contributor loads, adds and stores; 2 atomic adds in any order (not deterministic); 3 no dQ out;
-        # 4 no dQ out and no counters (the products and dQ_j into shared memory only); 5 as 2 without counters.
-        # P_SMEM: P^T goes to shared memory for dV += P^T dO, as dS^T does (fewer registers).
+        # DQ_MODE (diagnostics, scripts/probe_fused_bwd.py): 0 the ordered adds; 2 the same adds in any order
+        # (no waits: not deterministic); 4 no dQ out and no counters (the products and dQ_j into shared memory).
+        # Session 21 also timed 1 (ordered load-add-store), 3 (counters, no adds), 5 (2 without counters):
+        # docs/benchmarks.md.
         # DQACC: fp32 [B * H * m_tiles * BLOCK_M, D_QK], row tile (b, h, r) at rows ((b * H + h) * m_tiles
         # + r) * BLOCK_M; SEM: int32 [B * H * m_tiles], zero at launch.
         n_kb = gl.num_programs(0)
@@ -107,13 +151,11 @@ if AVAILABLE:
         dtype: gl.constexpr = q_desc.dtype
         DQ_T: gl.constexpr = BLOCK_M < 64  # dQ_j's rows too few for a warpgroup: compute its transpose
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
+        k_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_QK], k_desc.layout)
+        v_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_V], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        if P_SMEM:
-            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        ds_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
         if DQ_T:
             dq_smem = gl.allocate_shared_memory(gl.float32, [D_QK, BLOCK_M], dqs_layout)
         else:
@@ -121,6 +163,9 @@ if AVAILABLE:
         if TMA_STORE:
             dk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK], dk_desc.layout)
             dv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], dv_desc.layout)
+        stat_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -134,8 +179,12 @@ if AVAILABLE:
         n_tiles = GROUP_N * n_rt
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
-        _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
+        _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_buf.index(0))
+        _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_buf.index(0))
+        # K, V and dS^T are one buffer each, indexed in the loop by t * ZERO (0, unknown to the compiler):
+        # their wgmma descriptors are then recomputed each step instead of ~30 64-bit values held (and
+        # spilled) across the loop.
+        zero = gl.program_id(2)
         for i in gl.static_range(STAGES):
             _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
                        GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
@@ -149,39 +198,50 @@ if AVAILABLE:
         o_wr = gl.arange(0, WO_ROWS, layout=gl.SliceLayout(1, wo_layout))
         o_wd = gl.arange(0, D_QK, layout=gl.SliceLayout(0, wo_layout))
 
+        pf_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
+                                                   order=[0])
+        o_pf = gl.arange(0, BLOCK_M, layout=pf_layout)
+        for i in gl.static_range(STAGES):
+            pf_l, pf_d = _load_stats(LSE, DELTA, i, n_tiles, n_rt, rt0, M, H, i_b, i_hk, GROUP_N, o_pf, BLOCK_M)
+            lse_smem.index(i).store(pf_l)
+            delta_smem.index(i).store(pf_d)
+        _thread_barrier()
+        stat_row: gl.constexpr = gl.SliceLayout(0, st_layout)
+
         mbarrier.wait(kv_bar, 0)
         for t in range(0, n_tiles):
             stage = t % STAGES
+            k_smem = k_buf.index(t * zero)
+            v_smem = v_buf.index(t * zero)
+            ds_smem = ds_buf.index(t * zero)
             g = t // n_rt
             r = rt0 + t % n_rt
             start_m = r * BLOCK_M
             o_row = start_m + o_rl
             hq = i_hk * GROUP_N + g
             stat = (i_b * H + hq).to(gl.int64) * M
-            lse = gl.load(LSE + stat + o_row, mask=o_row < M, other=float("-inf"))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = gl.load(DELTA + stat + o_row, mask=o_row < M, other=0.0)
+            # The statistics of tile t + STAGES, to shared memory at the end of this step.
+            pf_l, pf_d = _load_stats(LSE, DELTA, t + STAGES, n_tiles, n_rt, rt0, M, H, i_b, i_hk, GROUP_N, o_pf,
+                                     BLOCK_M)
 
             mbarrier.wait(bars.index(stage), (t // STAGES) & 1)
             s_t = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), st_zero, use_acc=False,
                                  is_async=True)
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+            lse2 = lse_smem.index(stage).load(stat_row)
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             if CAUSAL:  # keys past N are past every row's diagonal too
                 p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
             else:  # keys past N (another head's rows) must not reach dQ
                 p_t = gl.where((o_key < N)[:, None], p_t, 0.0)
-            if P_SMEM:
-                p_smem.store(p_t.to(dtype))
-                fence_async_shared()
-                _thread_barrier()
-                dv = warpgroup_mma(p_smem, do_smem.index(stage), dv, is_async=True)
-            else:
-                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv,
-                                   is_async=True)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+            # dP^T waited for before dV's product is issued: P^T (fp32) and its bf16 copy are never live
+            # together with dP^T in flight (the peak of the registers).
+            dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
+            delta = delta_smem.index(stage).load(stat_row)
+            p_op = gl.convert_layout(p_t.to(dtype), pa_layout)
             ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+            dv = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
             ds_smem.store(ds_t)
             fence_async_shared()
             _thread_barrier()  # both warpgroups' halves of dS^T are in place
@@ -208,32 +268,16 @@ if AVAILABLE:
                 while seen < need:
                     seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
             _thread_barrier()  # dQ_j is in shared memory
-            for c in gl.static_range(0, BLOCK_M if DQ_MODE != 4 else 0, WO_ROWS):
-                if DQ_T:
-                    part = dq_smem.slice(c, WO_ROWS, dim=1).permute((1, 0)).load(wo_layout)
-                else:
-                    part = dq_smem.slice(c, WO_ROWS, dim=0).load(wo_layout)
-                rows = c + o_wr
-                acc = DQACC + (tile.to(gl.int64) * BLOCK_M + rows)[:, None] * D_QK + o_wd[None, :]
-                if pid_n == 0:  # the last contributor: dq in the input dtype
-                    if pid_n != kmax:
-                        part += gl.load(acc, cache_modifier=".cg")
-                    o_m = start_m + rows
-                    dst = DQ + (stat + o_m.to(gl.int64))[:, None] * D_QK + o_wd[None, :]
-                    gl.store(dst, (part * scale).to(DQ.dtype.element_ty), mask=(o_m < M)[:, None])
-                elif DQ_MODE == 3:
-                    pass
-                elif pid_n == kmax:
-                    gl.store(acc, part)
-                elif DQ_MODE == 1:
-                    gl.store(acc, part + gl.load(acc, cache_modifier=".cg"))
-                else:
-                    gl.atomic_add(acc, part, sem="relaxed")
+            if DQ_MODE != 4:
+                _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout,
+                        BLOCK_M, D_QK, WO_ROWS, DQ_T)
             if pid_n != 0 and DQ_MODE < 4:
                 _thread_barrier()  # every thread's part of the tile is out
                 gl.atomic_add(SEM + tile, 1, sem="release")
 
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            lse_smem.index(stage).store(pf_l)  # every thread read this stage's statistics before dS^T's barrier
+            delta_smem.index(stage).store(pf_d)
             _thread_barrier()
             _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
                        i_hk, GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
@@ -271,9 +315,9 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.shape[-1] == 128 and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)
 
 
-def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 32,
-                    block_n: int = 128, stages: int = 3, num_warps: int = 8, token_major: bool = False,
-                    tma_store: bool = False, dq_mode: int = 0, p_smem: bool = False):
+def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
+                    block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
+                    tma_store: bool = False, dq_mode: int = 0):
     """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
     k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
     bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
@@ -295,18 +339,18 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     if causal and m > n:
         # Row tiles whose rows all see no key get no contribution: their dq is zero.
         dq[:, :, :m - n].zero_()
-    smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + (1 + p_smem) * block_n * block_m) + 4 * block_m * d_qk
+    smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + block_n * block_m) + 4 * block_m * d_qk
     extra = {}
     # dK/dV out by TMA needs 64 KB more shared memory, which leaves the L1 too little for the spills.
     if tma_store and smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
                  "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
-    grid = ((n + block_n - 1) // block_n, b * hk)
+    grid = ((n + block_n - 1) // block_n, b * hk, 1)
     _bwd_fused_gluon[grid](
         desc(q2, block_m, d_qk), desc(k2, block_n, d_qk), desc(v2, block_n, d_v), desc(do2, block_m, d_v),
         lse, delta, dq, dqacc, sem, dk, dv,
         scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
         D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, DQ_MODE=dq_mode, P_SMEM=p_smem, **extra,
+        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, DQ_MODE=dq_mode, **extra,
     )
     return dq, dk, dv
