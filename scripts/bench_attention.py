@@ -431,6 +431,13 @@ def bench_dkdv_store(out=None, rounds=5):
     _bench_toggle(out, gluon_bwd, "DKDV_TMA_STORE", ("1", "0"), ("dK/dV by TMA", "direct stores"), ROWS, rounds)
 
 
+def bench_dkdv_fresh(out=None, rounds=5):
+    """The Gluon dK/dV pass with K/V's descriptors recomputed each step (``gluon_bwd.DKDV_FRESH_DESC``) or held."""
+    from mla_attn.ops.attention import gluon_bwd
+
+    _bench_toggle(out, gluon_bwd, "DKDV_FRESH_DESC", ("1", "0"), ("fresh descriptors", "held"), ROWS, rounds)
+
+
 def bench_fused_bwd(out=None, rounds=5):
     """The one-pass backward (``gluon_bwd_fused.FUSED_BWD``) against the two-pass one, on the rows it takes
     (Dqk 64 / 128) and two more GQA shapes."""
@@ -503,6 +510,7 @@ def main(argv=None):
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
+    ap.add_argument("--dkdv-fresh", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's descriptors fresh or held")
     ap.add_argument("--fused-bwd", metavar="OUT", help="only: fwd+bwd with the one-pass backward or the two-pass one, and SDPA")
     ap.add_argument("--deterministic-peer", metavar="OUT",
                     help="only: fwd+bwd against SDPA in PyTorch's deterministic mode, and who repeats its gradients")
@@ -510,7 +518,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd,
+            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

@@ -95,6 +95,7 @@ def main():
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered adds, 2 unordered, 4 no dQ out)")
+    ap.add_argument("--fresh-desc", action="store_true", help="gluon_dkdv: FRESH_DESC (K/V descriptors recomputed each step)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -231,6 +232,7 @@ def main():
                      num_warps=warps)
         if args.kernel == "gluon_dkdv":
             const["TOKEN_MAJOR"] = args.token_major
+            const["FRESH_DESC"] = args.fresh_desc
             if args.tma_store:  # dK and dV out by TMA from buffers of their own
                 ptrs.update(dk_desc=desc(b, d0), dv_desc=desc(b, args.dv))
                 if d1:

@@ -4,7 +4,8 @@
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=pair bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's head pairs (GQA): tests and bench
 #   ONLY=dkdv bash scripts/gpu_check.sh [OUTDIR]   the Gluon dK/dV pass's TMA stores: tests and fwd+bwd bench
-#   ONLY=fusedbwd bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward: its tests, then fwd+bwd against two passes
+#   ONLY=fusedbwd bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward: its tests, then fwd+bwd against two
+#     passes; the dK/dV pass with fresh descriptors: its tests and bench
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
 #     backward's per-kernel times (scripts/profile_attention_bwd.py)
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
@@ -69,9 +70,10 @@ fi
 if [ "${ONLY:-}" = fusedbwd ]; then
   # The one-pass backward (gluon_bwd_fused.py): its tests in a hang-guarded step (a wrong dQ order would
   # deadlock), then fwd+bwd with it on and off.
-  step "fused backward tests" "$(lim 300)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_fused_bwd.py 2>&1 | tee '$out/gpu_fused_bwd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "fused backward tests" "$(lim 300)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_fused_bwd.py tests/ops/test_attention_gluon.py -k 'fused or fresh' 2>&1 | tee '$out/gpu_fused_bwd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench fused backward" "$(lim 200)" $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bwd.md"
   step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
+  step "bench dK/dV fresh descriptors" "$(lim 150)" $PY scripts/bench_attention.py --dkdv-fresh "$out/bench_dkdv_fresh.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -73,6 +73,9 @@ _LOG2E = 1.4426950408889634
 # 220 KB, -1.0% (2 x 16 x 8192) and +1.0% (4 x 128 x 2048). "auto" (default): where Dqk is one power of two
 # (d 128: 192 KB); "1": wherever the buffers fit (192/128 too); "0": never. MLA_ATTN_GLUON_DKDV_TMA_STORE overrides.
 DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto")
+# "1": K/V's wgmma descriptors recomputed each step (``_dkdv_gluon``'s FRESH_DESC): sm_90a spills at d 128 go
+# from 32 bytes to none. Off until the H200 has timed it; MLA_ATTN_GLUON_DKDV_FRESH_DESC=1 turns it on.
+DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
 
 if AVAILABLE:
     from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward
@@ -119,7 +122,11 @@ if AVAILABLE:
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dk1_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False,
+        FRESH_DESC: gl.constexpr = False,
     ):
+        # FRESH_DESC: K and V (single buffers) indexed in the loop by t * 0 with the 0 unknown to the compiler
+        # (program_id(2) of a 1-deep grid), so that their wgmma descriptors are recomputed each step instead of
+        # held across the loop (gluon_bwd_fused.py: that took its spills from 324 bytes to none).
         # TMA_STORE: dk_desc / dk1_desc / dv_desc are [B * HK * N, D] views of DK (columns 0 .. D_QK0 and
         # D_QK0 ..) and DV in blocks of BLOCK_N rows.
         pid_n = gl.program_id(0)
@@ -149,12 +156,22 @@ if AVAILABLE:
         SPLIT: gl.constexpr = D_QK1 > 0
         dtype: gl.constexpr = q_desc.dtype
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK0], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
+        if FRESH_DESC:
+            k_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_QK0], k_desc.layout)
+            v_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_V], v_desc.layout)
+            k_smem = k_buf.index(0)
+            v_smem = v_buf.index(0)
+        else:
+            k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK0], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK0], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
         if SPLIT:
-            k1_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK1], k1_desc.layout)
+            if FRESH_DESC:
+                k1_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_QK1], k1_desc.layout)
+                k1_smem = k1_buf.index(0)
+            else:
+                k1_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_QK1], k1_desc.layout)
             q1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK1], q1_desc.layout)
         else:
             k1_smem = k_smem
@@ -209,6 +226,12 @@ if AVAILABLE:
         mbarrier.wait(kv_bar, 0)
         for t in range(0, n_tiles):
             stage = t % STAGES
+            if FRESH_DESC:
+                zero_t = t * gl.program_id(2)
+                k_smem = k_buf.index(zero_t)
+                v_smem = v_buf.index(zero_t)
+                if SPLIT:
+                    k1_smem = k1_buf.index(zero_t)
             g = t // n_rt
             start_m = (rt0 + t % n_rt) * BLOCK_M
             o_row = start_m + o_rl
@@ -490,6 +513,9 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
         dk2, dv2 = dk.view(b * hk * n, d_qk), dv.view(b * hk * n, d_v)
         extra = {"dk_desc": desc(dk2, block_n, d0), "dk1_desc": desc(dk2, block_n, d1) if d1 else None,
                  "dv_desc": desc(dv2, block_n, d_v), "TMA_STORE": True}
+    if DKDV_FRESH_DESC == "1":
+        extra["FRESH_DESC"] = True
+        grid = grid + (1,)  # program_id(2): the kernel's 0 that the compiler cannot see
     _dkdv_gluon[grid](
         q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, lse, delta, dk, dv,
         scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
