@@ -71,9 +71,9 @@ if [ "${ONLY:-}" = fusedbwd ]; then
   # The one-pass backward (gluon_bwd_fused.py): its tests in a hang-guarded step (a wrong dQ order would
   # deadlock), then fwd+bwd with it on and off.
   step "fused backward tests" "$(lim 300)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_fused_bwd.py tests/ops/test_attention_gluon.py -k 'fused or fresh' 2>&1 | tee '$out/gpu_fused_bwd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  step "bench fused backward" "$(lim 200)" $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bwd.md"
   step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
   step "bench dK/dV fresh descriptors" "$(lim 150)" $PY scripts/bench_attention.py --dkdv-fresh "$out/bench_dkdv_fresh.md"
+  step "bench fused backward" "$(lim 200)" $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bwd.md"
   echo "gpu_check status: $status"
   exit $status
 fi
