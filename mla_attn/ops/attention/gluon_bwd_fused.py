@@ -17,6 +17,12 @@ the input dtype, so there is no memset and no conversion pass. Programs launch h
 within a (batch, KV head), so every program a waiting one depends on has launched before it: no
 deadlock, and, as a key block's program reaches a row tile after the one above it did, waits are rare.
 
+Status (session 21, 3c2a2dd, H200): correct (tests/ops/test_attention_fused_bwd.py, 19 tests: oracle, bit-for-bit
+repeatable, NaN-poisoned outputs fully written, 256 / 512 programs). Not faster: at 4 x 32 x 4096 the kernel
+takes 4.53 ms against 3.63 for the two-pass backward. Without its dQ out it would take 2.69; the per-thread
+ordered atomic adds of dQ_j (4.4 GB into L2) cost the difference. Off (FUSED_BWD); the next step is one bulk
+reduction per tile (docs/benchmarks.md, session 21).
+
 Scope: bf16/fp16, Dqk 128 (the dQ product splits it between the warpgroups, 64 columns each: at Dqk 64 the
 halves of K's 128-byte swizzled rows gave wrong dQ on the H200, session 21),
 Dv 64 or 128, inputs head-major or token-major as ``gluon_bwd.dkdv_gluon``.
