@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered adds, 2 unordered, 4 no dQ out)")
     ap.add_argument("--fresh-desc", action="store_true", help="gluon_dkdv: FRESH_DESC (K/V descriptors recomputed each step)")
+    ap.add_argument("--bulk", action="store_true", help="gluon_fused: BULK (dQ_j out by TMA store / reduce-add)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -261,6 +262,12 @@ def main():
             const["TMA_STORE"] = True
         else:
             const.update(dk_desc=None, dv_desc=None, TMA_STORE=False)
+        if args.bulk:  # dQ_j out by TMA store / reduce-add
+            lay32 = gl.NVMMASharedLayout.get_default_for([a, args.dqk], gl.float32)
+            ptrs["dqacc_desc"] = f"tensordesc<fp32[{a}, {args.dqk}],{lay32!r}>"
+            const["BULK"] = True
+        else:
+            const.update(dqacc_desc=None, BULK=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
         from mla_attn.ops.attention import triton_bwd

@@ -6,6 +6,8 @@
 #   ONLY=dkdv bash scripts/gpu_check.sh [OUTDIR]   the Gluon dK/dV pass's TMA stores: tests and fwd+bwd bench
 #   ONLY=fusedbwd bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward: its tests, then fwd+bwd against two
 #     passes; the dK/dV pass with fresh descriptors: its tests and bench
+#   ONLY=fusedbulk bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward with dQ out by TMA reduce-add:
+#     tests, probe, fwd+bwd against two passes
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
 #     backward's per-kernel times (scripts/profile_attention_bwd.py)
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
@@ -74,6 +76,15 @@ if [ "${ONLY:-}" = fusedbwd ]; then
   step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
   step "bench dK/dV fresh descriptors" "$(lim 150)" $PY scripts/bench_attention.py --dkdv-fresh "$out/bench_dkdv_fresh.md"
   step "bench fused backward" "$(lim 200)" $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bwd.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = fusedbulk ]; then
+  # The one-pass backward with dQ_j out by TMA reduce-add (FUSED_BULK): its tests (hang-guarded), the probe,
+  # then fwd+bwd one pass (bulk) against two passes.
+  step "fused backward (bulk) tests" "$(lim 300)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_fused_bwd.py -k bulk 2>&1 | tee '$out/gpu_fused_bulk_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
+  step "bench fused backward (bulk)" "$(lim 200)" env MLA_ATTN_GLUON_FUSED_BULK=1 $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bulk.md"
   echo "gpu_check status: $status"
   exit $status
 fi

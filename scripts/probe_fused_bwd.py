@@ -1,7 +1,7 @@
 """Where the one-pass backward's time goes (gluon_bwd_fused.py), on the H200.
 
 Times the fused kernel alone at three tile choices (rows a step, ring stages), with its dQ out in order
-(DQ_MODE 0) and in the diagnostic modes (the kernel's DQ_MODE comment),
+(DQ_MODE 0) and in the diagnostic modes (the kernel's DQ_MODE comment), with dQ_j out by TMA (bulk),
 against the two-pass backward's kernels alone (the Gluon dK/dV pass, the Triton dQ pass), on causal
 bf16 rows. Each time a do_bench median; TFLOP/s count the backward's 2.5 x forward FLOPs.
 
@@ -51,6 +51,8 @@ def main(argv=None):
             for mode in (0, 2, 4):
                 add(f"fused, rows {bm}, stages {st}, DQ_MODE {mode}", lambda m=mode, bm=bm, st=st: gluon_bwd_fused.bwd_fused_gluon(
                     q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, dq_mode=m, block_m=bm, stages=st))
+        add("fused, rows 64, stages 2, bulk (TMA reduce-add)", lambda: gluon_bwd_fused.bwd_fused_gluon(
+            q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True))
         add("two-pass: Gluon dK/dV pass alone", lambda: gluon_bwd.dkdv_gluon(
             q, k, v, do, lse, delta, dk, dv, causal=True, scale=scale))
         add("two-pass: whole backward (flash_attn_bwd, fused off)", lambda: triton_bwd.flash_attn_bwd(

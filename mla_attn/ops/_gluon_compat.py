@@ -56,3 +56,14 @@ def warn_untested() -> None:
                       f"{', '.join('.'.join(map(str, t)) for t in TESTED)} only; this is Triton {triton.__version__}, "
                       "so the Triton kernels run instead (slower). MLA_ATTN_GLUON_ANY_TRITON=1 tries the Gluon "
                       "kernels anyway.", RuntimeWarning, stacklevel=3)
+
+# TMA reduction (add) of a shared-memory tile into global memory: Gluon 3.6 has the op in its builder but no
+# wrapper in gluon.language.nvidia.hopper.tma. Same bulk async-group as tma_store: tma.store_wait covers it.
+from triton._C.libtriton import ir as _ir  # noqa: E402
+from triton.experimental.gluon.language._core import builtin as _builtin  # noqa: E402
+
+
+@_builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

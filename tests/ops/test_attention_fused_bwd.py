@@ -38,11 +38,12 @@ CASES = [
 IDS = ["B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*c[:7], "causal" if c[7] else "full") for c in CASES]
 
 
-def _route(monkeypatch, calls):
+def _route(monkeypatch, calls, bulk="0"):
     from mla_attn.ops.attention import triton_bwd
 
     monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
     monkeypatch.setattr(fused, "FUSED_BWD", "1")
+    monkeypatch.setattr(fused, "FUSED_BULK", bulk)
     real = fused.bwd_fused_gluon
     monkeypatch.setattr(fused, "bwd_fused_gluon", lambda *a, **kw: calls.append(kw.get("token_major")) or real(*a, **kw))
 
@@ -53,6 +54,20 @@ def _route(monkeypatch, calls):
 def test_fused_backward_matches_oracle(case, monkeypatch):
     calls = []
     _route(monkeypatch, calls)
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert calls, "the fused backward did not run"
+
+
+BULK_CASES = [0, 2, 3, 5, 6, 7, 9, 10]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", [CASES[i] for i in BULK_CASES], ids=[IDS[i] for i in BULK_CASES])
+def test_fused_backward_bulk_matches_oracle(case, monkeypatch):
+    """dQ_j out by TMA store / reduce-add (FUSED_BULK), each counter released a step later."""
+    calls = []
+    _route(monkeypatch, calls, bulk="1")
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls, "the fused backward did not run"
 
@@ -69,17 +84,18 @@ def test_fused_backward_fp16(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("bulk", ["0", "1"], ids=["atomic", "bulk"])
 @pytest.mark.parametrize("case, token_major", [(CASES[0], False), (CASES[3], True), (CASES[9], False),
                                                (CASES[10], True)],
                          ids=[IDS[0], IDS[3] + "-token-major", IDS[9], IDS[10] + "-token-major"])
-def test_fused_backward_is_deterministic_and_writes_everything(case, token_major, monkeypatch):
+def test_fused_backward_is_deterministic_and_writes_everything(case, token_major, bulk, monkeypatch):
     """Two backward passes into NaN-poisoned gradient buffers: no NaN left, bit for bit the same."""
     from mla_attn.ops.attention import triton_fwd
     from mla_attn.ops.attention.function import flash_attention
 
     b, hq, hkv, m, n, dqk, dv, causal = case
     calls = []
-    _route(monkeypatch, calls)
+    _route(monkeypatch, calls, bulk)
     monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
                                                                                      device=device, dtype=dtype))
     gen = torch.Generator().manual_seed(7)

@@ -46,6 +46,7 @@ try:
     from .._gluon_compat import VERSION_OK as _VERSION_OK
     from .._gluon_compat import thread_barrier as _thread_barrier
     from .._gluon_compat import tma_load as _tma_load
+    from .._gluon_compat import tma_reduce_add as _tma_reduce_add
     from .._gluon_compat import tma_store as _tma_store
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -53,6 +54,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 # "1": flash_attn_bwd runs this pass where ``supported`` says so; "0": the two-pass backward.
 FUSED_BWD = os.environ.get("MLA_ATTN_GLUON_FUSED_BWD", "0")
+# "1": dQ_j leaves by TMA (store / reduce-add) from a double buffer, each counter released a step later
+# (``_bwd_fused_gluon``'s BULK). Written in session 21 after the device budget ran out: compiled for sm_90a
+# (no spills), not yet run; MLA_ATTN_GLUON_FUSED_BULK=1 turns it on.
+FUSED_BULK = os.environ.get("MLA_ATTN_GLUON_FUSED_BULK", "0")
 
 if AVAILABLE:
     from .gluon_bwd import _load_rows
@@ -69,6 +74,18 @@ if AVAILABLE:
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         delta = gl.load(DELTA + stat + rows, mask=ok, other=0.0)
         return lse2, delta
+
+    @gluon.jit
+    def _bulk_wait(x, PENDING: gl.constexpr):
+        """Wait until at most PENDING of this thread's bulk async-groups are outstanding, their global writes
+        (reductions) complete, not only their shared-memory reads (tma.store_wait's `.read` form), then order
+        them before this thread's later generic accesses; returns x (an operand the asm needs)."""
+        if PENDING == 0:
+            return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;",
+                                             "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            return gl.inline_asm_elementwise("cp.async.bulk.wait_group 1; fence.proxy.async.global; mov.b32 $0, $1;",
+                                             "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout: gl.constexpr,
@@ -110,7 +127,11 @@ if AVAILABLE:
         D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
+        dqacc_desc=None, BULK: gl.constexpr = False,
     ):
+        # BULK: dQ_j leaves shared memory by one TMA store (the first contributor) or TMA reduce-add (the
+        # middle ones) into DQACC through dqacc_desc ([rows, D_QK] fp32, BLOCK_M x D_QK blocks), from a
+        # double buffer; the counter of a step's tile is released one step later, once its group is done.
         # DQ_MODE (diagnostics, scripts/probe_fused_bwd.py): 0 the ordered adds; 2 the same adds in any order
         # (no waits: not deterministic); 4 no dQ out and no counters (the products and dQ_j into shared memory).
         # Session 21 also timed 1 (ordered load-add-store), 3 (counters, no adds), 5 (2 without counters):
@@ -162,7 +183,10 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
         ds_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
-        if DQ_T:
+        if BULK:
+            dq_buf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D_QK], dqacc_desc.layout)
+            dq_smem = dq_buf.index(0)
+        elif DQ_T:
             dq_smem = gl.allocate_shared_memory(gl.float32, [D_QK, BLOCK_M], dqs_layout)
         else:
             dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, D_QK], dqs_layout)
@@ -214,6 +238,7 @@ if AVAILABLE:
         _thread_barrier()
         stat_row: gl.constexpr = gl.SliceLayout(0, st_layout)
 
+        prev_tile = pid_n * 0 - 1  # BULK: the row tile whose counter is released next step
         mbarrier.wait(kv_bar, 0)
         for t in range(0, n_tiles):
             stage = t % STAGES
@@ -262,7 +287,12 @@ if AVAILABLE:
                                    gl.zeros([BLOCK_M, D_QK], gl.float32, layout=dq_layout), use_acc=False,
                                    is_async=True)
             dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dq))
-            dq_smem.store(dq)
+            if BULK:
+                dq_smem = dq_buf.index(t % 2)  # free: step t - 2's group was waited for at step t - 1
+                dq_smem.store(dq)
+                fence_async_shared()  # for the TMA unit (after the barrier below)
+            else:
+                dq_smem.store(dq)
             dk = warpgroup_mma(ds_smem, q_smem.index(stage), dk, is_async=True)
             kmax = n_kb - 1
             if CAUSAL:
@@ -274,12 +304,31 @@ if AVAILABLE:
                 while seen < need:
                     seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
             _thread_barrier()  # dQ_j is in shared memory
-            if DQ_MODE != 4:
-                _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout,
-                        BLOCK_M, D_QK, WO_ROWS, DQ_T)
-            if pid_n != 0 and DQ_MODE < 4:
-                _thread_barrier()  # every thread's part of the tile is out
-                gl.atomic_add(SEM + tile, 1, sem="release")
+            if BULK:
+                if pid_n == 0:
+                    _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout,
+                            BLOCK_M, D_QK, WO_ROWS, DQ_T)
+                else:
+                    # The counter's acquire (generic proxy) before this thread's TMA (async proxy) reaches L2.
+                    tile = gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [tile],
+                                                     dtype=gl.int32, is_pure=False, pack=1)
+                    if pid_n == kmax:
+                        _tma_store(dqacc_desc, [tile * BLOCK_M, 0], dq_smem)
+                    else:
+                        _tma_reduce_add(dqacc_desc, [tile * BLOCK_M, 0], dq_smem)
+                    # The previous step's tile is in (waited for by the thread that issued it), its buffer free.
+                    done = _bulk_wait(prev_tile, 1)
+                    _thread_barrier()
+                    if done >= 0:
+                        gl.atomic_add(SEM + done, 1, sem="release")
+                    prev_tile = tile
+            else:
+                if DQ_MODE != 4:
+                    _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout,
+                            BLOCK_M, D_QK, WO_ROWS, DQ_T)
+                if pid_n != 0 and DQ_MODE < 4:
+                    _thread_barrier()  # every thread's part of the tile is out
+                    gl.atomic_add(SEM + tile, 1, sem="release")
 
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             lse_smem.index(stage).store(pf_l)  # every thread read this stage's statistics before dS^T's barrier
@@ -288,6 +337,12 @@ if AVAILABLE:
             _load_rows(q_desc, q_desc, do_desc, q_smem, q_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
                        i_hk, GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
 
+        if BULK:  # the last tile's group, then its counter
+            if pid_n != 0:
+                done = _bulk_wait(prev_tile, 0)
+                _thread_barrier()
+                if done >= 0:
+                    gl.atomic_add(SEM + done, 1, sem="release")
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -323,7 +378,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
                     block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
-                    tma_store: bool = False, dq_mode: int = 0):
+                    tma_store: bool = False, dq_mode: int = 0, bulk: bool | None = None):
     """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
     k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
     bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
@@ -351,6 +406,14 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     if tma_store and smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
                  "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
+    bulk = FUSED_BULK == "1" if bulk is None else bulk
+    if bulk:  # dQ_j out by TMA store / reduce-add from a double buffer
+        assert block_m >= 64 and dq_mode == 0, "bulk: 64-row tiles and the ordered adds only"
+        smem += 4 * block_m * d_qk
+        extra["dqacc_desc"] = TensorDescriptor.from_tensor(
+            dqacc, [block_m, d_qk], gl.NVMMASharedLayout.get_default_for([block_m, d_qk], gl.float32))
+        extra["BULK"] = True
+    assert smem <= _SMEM_BYTES, f"shared memory {smem} > {_SMEM_BYTES}"
     grid = ((n + block_n - 1) // block_n, b * hk, 1)
     _bwd_fused_gluon[grid](
         desc(q2, block_m, d_qk), desc(k2, block_n, d_qk), desc(v2, block_n, d_v), desc(do2, block_m, d_v),
