@@ -42,6 +42,10 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --gather 1",  # SMALL_PAGES: pages of 1 key
     "gluon_mla 64,64,4,2 --s-once --dedicated 1 --paged --rows 16",  # SMALL_HEADS (experimental)
     "gluon_ws 128,128,4,2",
+    "gluon_dkdv 64,128,8,2 --tma-store --fresh-desc",  # K/V descriptors rebuilt each step (off)
+    "gluon_fused 64,128,8,2",  # the one-pass backward (off): dQ by ordered atomic adds
+    "gluon_fused 64,128,8,2 --bulk --token-major",  # ... by TMA store / reduce-add
+    "gluon_fused 32,128,8,3 --full",  # ... 32-row tiles (dQ^T)
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --schedule 0 --block-trace",
     "fwd 128,64,8,3",  # the Triton kernels
     "dkdv 64,64,4,2",
@@ -71,3 +75,5 @@ def test_kernel_compiles_for_hopper(args, tmp_path):
         assert "st.global" in ptx, out[-3000:]
     else:
         assert "wgmma.mma_async" in ptx or re.search(r"\bmma\.sync", ptx), out[-3000:]
+    if "--bulk" in args:  # dQ_j added by the TMA unit, and the full (not only .read) wait before a release
+        assert "cp.reduce.async.bulk.tensor" in ptx and "cp.async.bulk.wait_group 1;" in ptx, out[-3000:]
