@@ -172,6 +172,34 @@ def _assert_same_outputs(first, second):
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
 
 
+def _assert_dkdv_switch_is_bitwise(case, token_major, seed, switch, monkeypatch):
+    """Forward + backward through the public op with gluon_bwd.<switch> "1" and "0", into NaN-poisoned gradient
+    buffers: the Gluon dK/dV pass ran both times, every element was written, and the gradients are bit for bit
+    the same."""
+    from mla_attn.ops.attention import triton_bwd
+    from mla_attn.ops.attention.function import flash_attention
+
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    *base, gen = _seeded_qkv(case, token_major, seed)
+    do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
+    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
+    calls = []
+    real = gluon_bwd.dkdv_gluon
+    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _poison_outputs(monkeypatch)
+    grads = []
+    for on in ("1", "0"):
+        monkeypatch.setattr(gluon_bwd, switch, on)
+        leaves = [t.detach().requires_grad_() for t in base]
+        o, _ = flash_attention(*leaves, causal, dqk ** -0.5)
+        o.backward(do)
+        grads.append([t.grad for t in leaves])
+    assert len(calls) == 2, "the Gluon dK/dV pass did not run"
+    for a, b_ in zip(*grads):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b_)
+
+
 def _poison_outputs(monkeypatch):
     from mla_attn.ops.attention import triton_fwd
 
@@ -321,28 +349,7 @@ BWD_CASES = [
 def test_gluon_dkdv_tma_store_matches_direct_stores(case, token_major, monkeypatch):
     """dK and dV stored by TMA from their own shared-memory buffers are bit for bit the direct stores' (the
     same forward, the same Triton dQ), into NaN-poisoned gradient buffers: every element written once."""
-    from mla_attn.ops.attention import triton_bwd
-    from mla_attn.ops.attention.function import flash_attention
-
-    b, hq, hkv, m, n, dqk, dv, causal = case
-    *base, gen = _seeded_qkv(case, token_major, 5)
-    do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
-    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
-    calls = []
-    real = gluon_bwd.dkdv_gluon
-    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    _poison_outputs(monkeypatch)
-    grads = []
-    for on in ("1", "0"):  # "1": 192/128 too, where "auto" keeps the direct stores
-        monkeypatch.setattr(gluon_bwd, "DKDV_TMA_STORE", on)
-        leaves = [t.detach().requires_grad_() for t in base]
-        o, _ = flash_attention(*leaves, causal, dqk ** -0.5)
-        o.backward(do)
-        grads.append([t.grad for t in leaves])
-    assert len(calls) == 2, "the Gluon dK/dV pass did not run"
-    for a, b_ in zip(*grads):
-        assert not torch.isnan(a).any()
-        assert torch.equal(a, b_)
+    _assert_dkdv_switch_is_bitwise(case, token_major, 5, "DKDV_TMA_STORE", monkeypatch)  # "1": 192/128 too
 
 
 @pytest.mark.gpu
@@ -357,28 +364,7 @@ def test_gluon_dkdv_tma_store_matches_direct_stores(case, token_major, monkeypat
 def test_gluon_dkdv_fresh_descriptors_match(case, token_major, monkeypatch):
     """K/V's descriptors recomputed each step (``DKDV_FRESH_DESC``) change no arithmetic: the gradients are bit
     for bit those of the default build, into NaN-poisoned buffers."""
-    from mla_attn.ops.attention import triton_bwd
-    from mla_attn.ops.attention.function import flash_attention
-
-    b, hq, hkv, m, n, dqk, dv, causal = case
-    *base, gen = _seeded_qkv(case, token_major, 11)
-    do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
-    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
-    calls = []
-    real = gluon_bwd.dkdv_gluon
-    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    _poison_outputs(monkeypatch)
-    grads = []
-    for on in ("1", "0"):
-        monkeypatch.setattr(gluon_bwd, "DKDV_FRESH_DESC", on)
-        leaves = [t.detach().requires_grad_() for t in base]
-        o, _ = flash_attention(*leaves, causal, dqk ** -0.5)
-        o.backward(do)
-        grads.append([t.grad for t in leaves])
-    assert len(calls) == 2, "the Gluon dK/dV pass did not run"
-    for a, b_ in zip(*grads):
-        assert not torch.isnan(a).any()
-        assert torch.equal(a, b_)
+    _assert_dkdv_switch_is_bitwise(case, token_major, 11, "DKDV_FRESH_DESC", monkeypatch)
 
 
 @pytest.mark.gpu
