@@ -97,6 +97,7 @@ def main():
     ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered adds, 2 unordered, 4 no dQ out)")
     ap.add_argument("--fresh-desc", action="store_true", help="gluon_dkdv: FRESH_DESC (K/V descriptors recomputed each step)")
     ap.add_argument("--bulk", action="store_true", help="gluon_fused: BULK (dQ_j out by TMA store / reduce-add)")
+    ap.add_argument("--cast", action="store_true", help="gluon_fused --bulk: CAST (key block 0 adds too; a cast kernel writes dq)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
@@ -265,7 +266,7 @@ def main():
         if args.bulk:  # dQ_j out by TMA store / reduce-add
             lay32 = gl.NVMMASharedLayout.get_default_for([a, args.dqk], gl.float32)
             ptrs["dqacc_desc"] = f"tensordesc<fp32[{a}, {args.dqk}],{lay32!r}>"
-            const["BULK"] = True
+            const.update(BULK=True, CAST=args.cast)
         else:
             const.update(dqacc_desc=None, BULK=False)
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))

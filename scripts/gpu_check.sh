@@ -85,6 +85,7 @@ if [ "${ONLY:-}" = fusedbulk ]; then
   step "fused backward (bulk) tests" "$(lim 300)" bash -c "$PY -m pytest -q -x -p no:cacheprovider -m gpu tests/ops/test_attention_fused_bwd.py -k bulk 2>&1 | tee '$out/gpu_fused_bulk_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
   step "bench fused backward (bulk)" "$(lim 200)" env MLA_ATTN_GLUON_FUSED_BULK=1 $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bulk.md"
+  step "bench fused backward (bulk + cast pass)" "$(lim 200)" env MLA_ATTN_GLUON_FUSED_BULK=1 MLA_ATTN_GLUON_FUSED_CAST=1 $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bulk_cast.md"
   echo "gpu_check status: $status"
   exit $status
 fi

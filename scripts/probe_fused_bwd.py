@@ -53,6 +53,8 @@ def main(argv=None):
                     q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, dq_mode=m, block_m=bm, stages=st))
         add("fused, rows 64, stages 2, bulk (TMA reduce-add)", lambda: gluon_bwd_fused.bwd_fused_gluon(
             q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True))
+        add("fused, rows 64, stages 2, bulk + cast pass", lambda: gluon_bwd_fused.bwd_fused_gluon(
+            q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True, cast=True))
         add("two-pass: Gluon dK/dV pass alone", lambda: gluon_bwd.dkdv_gluon(
             q, k, v, do, lse, delta, dk, dv, causal=True, scale=scale))
         add("two-pass: whole backward (flash_attn_bwd, fused off)", lambda: triton_bwd.flash_attn_bwd(

@@ -38,6 +38,26 @@ CASES = [
 IDS = ["B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*c[:7], "causal" if c[7] else "full") for c in CASES]
 
 
+@pytest.mark.parametrize("causal, m, n", [(True, 130, 65), (True, 63, 113), (False, 1, 1)])
+def test_dq_cast_matches_workspace(causal, m, n):
+    """The cast pass of FUSED_CAST (plain Triton; the interpreter on a CPU): dq = scale * workspace for rows < M;
+    rows that see no key are 0 even where the workspace holds NaN (a row tile nobody wrote)."""
+    b, h, d, block_m = 2, 3, 64, 64
+    rows = (m + block_m - 1) // block_m * block_m
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    acc = torch.randn(b * h * rows, d, device=dev)
+    view = acc.view(b, h, rows, d)
+    if causal and m > n:
+        view[:, :, :m - n] = float("nan")  # rows that see no key: never written by the kernel
+    view[:, :, m:] = float("nan")  # the last tile's rows past M
+    dq = torch.full((b, h, m, d), float("nan"), device=dev, dtype=torch.float16)
+    fused.dq_cast(acc, dq, rows, causal, n - m, 0.125)
+    want = view[:, :, :m] * 0.125
+    if causal and m > n:
+        want[:, :, :m - n] = 0
+    assert torch.equal(dq, want.to(torch.float16))
+
+
 def _route(monkeypatch, calls, bulk="0"):
     from mla_attn.ops.attention import triton_bwd
 
@@ -63,11 +83,14 @@ BULK_CASES = [0, 2, 3, 5, 6, 7, 9, 10]
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("cast", ["0", "1"], ids=["last-adds", "cast-pass"])
 @pytest.mark.parametrize("case", [CASES[i] for i in BULK_CASES], ids=[IDS[i] for i in BULK_CASES])
-def test_fused_backward_bulk_matches_oracle(case, monkeypatch):
-    """dQ_j out by TMA store / reduce-add (FUSED_BULK), each counter released a step later."""
+def test_fused_backward_bulk_matches_oracle(case, cast, monkeypatch):
+    """dQ_j out by TMA store / reduce-add (FUSED_BULK), each counter released a step later; dq written by key
+    block 0 or by the cast pass (FUSED_CAST)."""
     calls = []
     _route(monkeypatch, calls, bulk="1")
+    monkeypatch.setattr(fused, "FUSED_CAST", cast)
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls, "the fused backward did not run"
 

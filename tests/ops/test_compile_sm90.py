@@ -45,6 +45,7 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "gluon_dkdv 64,128,8,2 --tma-store --fresh-desc",  # K/V descriptors rebuilt each step (off)
     "gluon_fused 64,128,8,2",  # the one-pass backward (off): dQ by ordered atomic adds
     "gluon_fused 64,128,8,2 --bulk --token-major",  # ... by TMA store / reduce-add
+    "gluon_fused 64,128,8,2 --bulk --cast --full",  # ... key block 0 adds too, a cast pass writes dq
     "gluon_fused 32,128,8,3 --full",  # ... 32-row tiles (dQ^T)
     "gluon 128,64,8,4 --pv-overlap --q-in-regs --tma-store --persistent --schedule 0 --block-trace",
     "fwd 128,64,8,3",  # the Triton kernels

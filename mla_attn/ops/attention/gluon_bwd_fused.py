@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from .gluon_bwd import _LOG2E
 from .gluon_fwd import _SMEM_BYTES, _tma_view
@@ -58,6 +60,37 @@ FUSED_BWD = os.environ.get("MLA_ATTN_GLUON_FUSED_BWD", "0")
 # (``_bwd_fused_gluon``'s BULK). Written in session 21 after the device budget ran out: compiled for sm_90a
 # (no spills), not yet run; MLA_ATTN_GLUON_FUSED_BULK=1 turns it on.
 FUSED_BULK = os.environ.get("MLA_ATTN_GLUON_FUSED_BULK", "0")
+# With FUSED_BULK, "1": key block 0 adds its dQ_j like the others and a cast kernel (``_dq_cast_kernel``) writes
+# dq from the workspace afterwards, instead of key block 0 (the longest program of a head, launched last: the
+# tail) loading the workspace tile at every step. Not yet run; MLA_ATTN_GLUON_FUSED_CAST=1 turns it on.
+FUSED_CAST = os.environ.get("MLA_ATTN_GLUON_FUSED_CAST", "0")
+
+
+@triton.jit
+def _dq_cast_kernel(DQACC, DQ, M, ROWS, shift, scale, D: tl.constexpr, BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr):
+    """dq[b, h, i] = scale * DQACC[(b * H + h) * ROWS + i] for i < M, in dq's dtype; rows that see no key (causal,
+    i + shift < 0: their row tile may have had no contributor, so its workspace is unwritten) are 0."""
+    pid_r = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, D)
+    ok = (rows < M)[:, None]
+    vals = tl.load(DQACC + (bh * ROWS + rows)[:, None] * D + cols[None, :], mask=ok, other=0.0)
+    if CAUSAL:
+        vals = tl.where((rows + shift >= 0)[:, None], vals, 0.0)
+    tl.store(DQ + (bh * M + rows)[:, None] * D + cols[None, :], (vals * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+def dq_cast(dqacc: torch.Tensor, dq: torch.Tensor, rows_per_head: int, causal: bool, shift: int, scale: float,
+            block_r: int = 32) -> torch.Tensor:
+    """Fill dq [B, H, M, D] (contiguous) from the fp32 workspace dqacc [B * H * rows_per_head, D] (see
+    ``_dq_cast_kernel``)."""
+    b, h, m, d = dq.shape
+    assert dq.is_contiguous() and dqacc.is_contiguous() and dqacc.shape == (b * h * rows_per_head, d)
+    assert d & (d - 1) == 0, f"dq_cast: D must be a power of two, got {d}"
+    _dq_cast_kernel[(triton.cdiv(m, block_r), b * h)](dqacc, dq, m, rows_per_head, shift, scale, D=d,
+                                                     BLOCK_R=block_r, CAUSAL=causal)
+    return dq
 
 if AVAILABLE:
     from .gluon_bwd import _load_rows
@@ -127,7 +160,7 @@ if AVAILABLE:
         D_QK: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
-        dqacc_desc=None, BULK: gl.constexpr = False,
+        dqacc_desc=None, BULK: gl.constexpr = False, CAST: gl.constexpr = False,
     ):
         # BULK: dQ_j leaves shared memory by one TMA store (the first contributor) or TMA reduce-add (the
         # middle ones) into DQACC through dqacc_desc ([rows, D_QK] fp32, BLOCK_M x D_QK blocks), from a
@@ -305,7 +338,7 @@ if AVAILABLE:
                     seen = gl.atomic_add(SEM + tile, 0, sem="acquire")
             _thread_barrier()  # dQ_j is in shared memory
             if BULK:
-                if pid_n == 0:
+                if pid_n == 0 and not CAST:
                     _dq_out(dq_smem, DQ, DQACC, tile, stat, start_m, M, scale, pid_n, kmax, o_wr, o_wd, wo_layout,
                             BLOCK_M, D_QK, WO_ROWS, DQ_T)
                 else:
@@ -338,7 +371,7 @@ if AVAILABLE:
                        i_hk, GROUP_N, BLOCK_M, STAGES, D_QK, False, n_tiles, lay, TOKEN_MAJOR)
 
         if BULK:  # the last tile's group, then its counter
-            if pid_n != 0:
+            if pid_n != 0 or CAST:
                 done = _bulk_wait(prev_tile, 0)
                 _thread_barrier()
                 if done >= 0:
@@ -378,7 +411,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale: float, block_m: int = 64,
                     block_n: int = 128, stages: int = 2, num_warps: int = 8, token_major: bool = False,
-                    tma_store: bool = False, dq_mode: int = 0, bulk: bool | None = None):
+                    tma_store: bool = False, dq_mode: int = 0, bulk: bool | None = None, cast: bool | None = None):
     """Fill dq [B, H, M, Dqk], dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk],
     k, v, do [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous), in one pass. Causal is
     bottom-right. Needs N >= 1 and M >= 1 (the caller zeroes the gradients otherwise)."""
@@ -397,7 +430,9 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     m_tiles = (m + block_m - 1) // block_m
     dqacc = torch.empty((b * h * m_tiles * block_m, d_qk), device=q.device, dtype=torch.float32)
     sem = torch.zeros((b * h * m_tiles,), device=q.device, dtype=torch.int32)
-    if causal and m > n:
+    bulk = FUSED_BULK == "1" if bulk is None else bulk
+    cast = bulk and (FUSED_CAST == "1" if cast is None else cast)
+    if causal and m > n and not cast:
         # Row tiles whose rows all see no key get no contribution: their dq is zero.
         dq[:, :, :m - n].zero_()
     smem = 2 * (block_n * (d_qk + d_v) + stages * block_m * (d_qk + d_v) + block_n * block_m) + 4 * block_m * d_qk
@@ -406,13 +441,13 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     if tma_store and smem + 2 * block_n * (d_qk + d_v) <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
                  "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
-    bulk = FUSED_BULK == "1" if bulk is None else bulk
     if bulk:  # dQ_j out by TMA store / reduce-add from a double buffer
         assert block_m >= 64 and dq_mode == 0, "bulk: 64-row tiles and the ordered adds only"
         smem += 4 * block_m * d_qk
         extra["dqacc_desc"] = TensorDescriptor.from_tensor(
             dqacc, [block_m, d_qk], gl.NVMMASharedLayout.get_default_for([block_m, d_qk], gl.float32))
         extra["BULK"] = True
+        extra["CAST"] = cast
     assert smem <= _SMEM_BYTES, f"shared memory {smem} > {_SMEM_BYTES}"
     grid = ((n + block_n - 1) // block_n, b * hk, 1)
     _bwd_fused_gluon[grid](
@@ -422,4 +457,6 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
         D_QK=d_qk, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, DQ_MODE=dq_mode, **extra,
     )
+    if cast:
+        dq_cast(dqacc, dq, m_tiles * block_m, causal, n - m, scale)
     return dq, dk, dv
