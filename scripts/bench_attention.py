@@ -447,6 +447,50 @@ def bench_fused_bwd(out=None, rounds=5):
     _bench_toggle(out, gluon_bwd_fused, "FUSED_BWD", ("1", "0"), ("one pass", "two passes"), rows, rounds)
 
 
+def _graphed(fn):
+    """A CUDA graph of fn() (a forward + backward), captured after three warm-up runs on a side stream; returns
+    its replay. The .grad tensors fn() fills are allocated at capture and refilled by each replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def bench_host_overhead(out=None):
+    """Forward + backward run eagerly and as a CUDA-graph replay, ours and SDPA: where eager time exceeds the
+    replay, the host (Python launches, descriptors) is the limit. Small rows first, where that shows."""
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | ours eager TF/s | ours graph TF/s | SDPA eager TF/s | SDPA graph TF/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b, hq, hkv, n, dqk, dv in [(16, 16, 8, 1024, 128, 128), (8, 32, 8, 2048, 128, 128), (4, 32, 32, 4096, 128, 128)]:
+        scale, flops, q, k, v, do = _train_row(b, hq, hkv, n, dqk, dv)
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        row = []
+        for name, fn in (("ours", lambda: _ours(q, k, v, scale).backward(do)),
+                         ("sdpa", lambda: _sdpa(q, k, v, scale).backward(do))):
+            for t in (q, k, v):
+                t.grad = None
+            eager = _ms(fn, [q, k, v])
+            for t in (q, k, v):
+                t.grad = None
+            try:
+                replay = _graphed(fn)
+                row += [f"{tf(eager):.0f}", f"{tf(_ms(replay)):.0f}"]
+            except RuntimeError as e:  # a backend that cannot be captured: say so
+                row += [f"{tf(eager):.0f}", f"capture failed: {str(e)[:60]}"]
+            for t in (q, k, v):
+                t.grad = None
+        lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    _write_table(out, lines)
+
+
 def _same_grads_twice(fn, leaves):
     """Whether two runs of fn() (a forward + backward) leave bit-for-bit the same gradients on leaves."""
     runs = []
@@ -511,6 +555,7 @@ def main(argv=None):
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
     ap.add_argument("--dkdv-fresh", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's descriptors fresh or held")
+    ap.add_argument("--host-overhead", metavar="OUT", help="only: fwd+bwd eager against a CUDA-graph replay, ours and SDPA")
     ap.add_argument("--fused-bwd", metavar="OUT", help="only: fwd+bwd with the one-pass backward or the two-pass one, and SDPA")
     ap.add_argument("--deterministic-peer", metavar="OUT",
                     help="only: fwd+bwd against SDPA in PyTorch's deterministic mode, and who repeats its gradients")
@@ -518,7 +563,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

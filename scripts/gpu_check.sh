@@ -86,6 +86,7 @@ if [ "${ONLY:-}" = fusedbulk ]; then
   step "probe fused backward" "$(lim 150)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
   step "bench fused backward (bulk)" "$(lim 200)" env MLA_ATTN_GLUON_FUSED_BULK=1 $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bulk.md"
   step "bench fused backward (bulk + cast pass)" "$(lim 200)" env MLA_ATTN_GLUON_FUSED_BULK=1 MLA_ATTN_GLUON_FUSED_CAST=1 $PY scripts/bench_attention.py --fused-bwd "$out/bench_fused_bulk_cast.md"
+  step "bench host overhead (eager vs graph)" "$(lim 120)" $PY scripts/bench_attention.py --host-overhead "$out/bench_host_overhead.md"
   echo "gpu_check status: $status"
   exit $status
 fi
