@@ -440,7 +440,7 @@ def bench_dkdv_fresh(out=None, rounds=5):
 
 def bench_fused_bwd(out=None, rounds=5):
     """The one-pass backward (``gluon_bwd_fused.FUSED_BWD``) against the two-pass one, on the rows it takes
-    (Dqk 64 / 128) and two more GQA shapes."""
+    (Dqk 128) and two more GQA shapes."""
     from mla_attn.ops.attention import gluon_bwd_fused
 
     rows = [r for r in ROWS if r[4] <= 128] + [(4, 32, 8, 4096, 128, 128), (16, 16, 8, 1024, 128, 128)]

@@ -20,8 +20,9 @@ deadlock, and, as a key block's program reaches a row tile after the one above i
 Status (session 21, 3c2a2dd, H200): correct (tests/ops/test_attention_fused_bwd.py, 19 tests: oracle, bit-for-bit
 repeatable, NaN-poisoned outputs fully written, 256 / 512 programs). Not faster: at 4 x 32 x 4096 the kernel
 takes 4.53 ms against 3.63 for the two-pass backward. Without its dQ out it would take 2.69; the per-thread
-ordered atomic adds of dQ_j (4.4 GB into L2) cost the difference. Off (FUSED_BWD); the next step is one bulk
-reduction per tile (docs/benchmarks.md, session 21).
+ordered atomic adds of dQ_j (4.4 GB into L2) cost the difference. Off (FUSED_BWD). Written after the device
+budget ran out, compiled, not yet run: FUSED_BULK (dQ_j added by TMA reduce-add) and FUSED_CAST (docs/benchmarks.md,
+session 21).
 
 Scope: bf16/fp16, Dqk 128 (the dQ product splits it between the warpgroups, 64 columns each: at Dqk 64 the
 halves of K's 128-byte swizzled rows gave wrong dQ on the H200, session 21),
@@ -91,6 +92,7 @@ def dq_cast(dqacc: torch.Tensor, dq: torch.Tensor, rows_per_head: int, causal: b
     _dq_cast_kernel[(triton.cdiv(m, block_r), b * h)](dqacc, dq, m, rows_per_head, shift, scale, D=d,
                                                      BLOCK_R=block_r, CAUSAL=causal)
     return dq
+
 
 if AVAILABLE:
     from .gluon_bwd import _load_rows
