@@ -20,9 +20,9 @@ deadlock, and, as a key block's program reaches a row tile after the one above i
 Status (session 21, 3c2a2dd, H200): correct (tests/ops/test_attention_fused_bwd.py, 19 tests: oracle, bit-for-bit
 repeatable, NaN-poisoned outputs fully written, 256 / 512 programs). Not faster: at 4 x 32 x 4096 the kernel
 takes 4.53 ms against 3.63 for the two-pass backward. Without its dQ out it would take 2.69; the per-thread
-ordered atomic adds of dQ_j (4.4 GB into L2) cost the difference. Off (FUSED_BWD). Written after the device
-budget ran out, compiled, not yet run: FUSED_BULK (dQ_j added by TMA reduce-add) and FUSED_CAST (docs/benchmarks.md,
-session 21).
+ordered atomic adds of dQ_j (4.4 GB into L2) cost the difference. Off (FUSED_BWD). FUSED_BULK (dQ_j added by
+TMA reduce-add) and FUSED_CAST: correct on the H200 (20/20, session 22, 37cf58d), but 4.18 / 4.12 ms against the
+two passes' 3.48 (docs/benchmarks.md, session 22): off.
 
 Scope: bf16/fp16, Dqk 128 (the dQ product splits it between the warpgroups, 64 columns each: at Dqk 64 the
 halves of K's 128-byte swizzled rows gave wrong dQ on the H200, session 21),
@@ -58,12 +58,12 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # "1": flash_attn_bwd runs this pass where ``supported`` says so; "0": the two-pass backward.
 FUSED_BWD = os.environ.get("MLA_ATTN_GLUON_FUSED_BWD", "0")
 # "1": dQ_j leaves by TMA (store / reduce-add) from a double buffer, each counter released a step later
-# (``_bwd_fused_gluon``'s BULK). Written in session 21 after the device budget ran out: compiled for sm_90a
-# (no spills), not yet run; MLA_ATTN_GLUON_FUSED_BULK=1 turns it on.
+# (``_bwd_fused_gluon``'s BULK). Correct on the H200, 8-16% faster than the atomic adds, still slower than the
+# two passes (session 22); MLA_ATTN_GLUON_FUSED_BULK=1 turns it on.
 FUSED_BULK = os.environ.get("MLA_ATTN_GLUON_FUSED_BULK", "0")
 # With FUSED_BULK, "1": key block 0 adds its dQ_j like the others and a cast kernel (``_dq_cast_kernel``) writes
 # dq from the workspace afterwards, instead of key block 0 (the longest program of a head, launched last: the
-# tail) loading the workspace tile at every step. Not yet run; MLA_ATTN_GLUON_FUSED_CAST=1 turns it on.
+# tail) loading the workspace tile at every step. Correct on the H200 (session 22); MLA_ATTN_GLUON_FUSED_CAST=1.
 FUSED_CAST = os.environ.get("MLA_ATTN_GLUON_FUSED_CAST", "0")
 
 
