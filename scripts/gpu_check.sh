@@ -10,6 +10,8 @@
 #     tests, probe, fwd+bwd against two passes
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
 #     backward's per-kernel times (scripts/profile_attention_bwd.py)
+#   ONLY=host bash scripts/gpu_check.sh [OUTDIR]   the host side of a training step: launches, cProfile
+#     (scripts/profile_launch.py --train), fwd+bwd eager against a CUDA-graph replay
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=tests-attn / ONLY=tests-decode bash scripts/gpu_check.sh [OUTDIR]   ONLY=tests in two (a cold machine)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
@@ -94,6 +96,12 @@ if [ "${ONLY:-}" = bwdprobe ]; then
   # The backward against its deterministic peer, and where its time goes (the case for a fused, ordered dQ).
   step "bench attention, deterministic peer" "$(lim 200)" $PY scripts/bench_attention.py --deterministic-peer "$out/bench_attention_deterministic.md"
   step "profile attention backward" "$(lim 150)" $PY scripts/profile_attention_bwd.py --out "$out/profile_attention_bwd.txt"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = host ]; then
+  step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
+  step "bench host overhead (eager vs graph)" "$(lim 120)" $PY scripts/bench_attention.py --host-overhead "$out/bench_host_overhead.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -1,10 +1,16 @@
-"""Host-side cost of one eager decode call (CUDA): where the microseconds go before the GPU starts.
+"""Host-side cost of one eager decode call, or of one training step (CUDA): where the microseconds go
+before the GPU starts.
 
 At batch 1 a decode step's GPU work is tens of microseconds, so an eager call is only as fast as its
 Python path (validation, allocations, Triton's launcher). This times the host side alone (many calls
 queued without synchronising) and prints a cProfile of the same calls.
 
     PYTHONPATH=. python3 scripts/profile_launch.py [--calls 300] [--top 25]
+    PYTHONPATH=. python3 scripts/profile_launch.py --train [--calls 100]
+
+``--train``: forward + backward of ``mla_attn.ops.attention`` (causal, bf16): host time per step at a row
+whose GPU work is a few microseconds, wall time per step at the 16 x 16/8 x 1024 row against its CUDA-graph
+replay, the kernels one step launches (torch.profiler), and a cProfile of the small row's steps.
 """
 
 from __future__ import annotations
@@ -43,12 +49,70 @@ def _cases(device):
             "mla B1 H128 L32768 (auto splits)": mla}
 
 
+def _train_cases(device):
+    import mla_attn
+
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for name, (b, hq, hkv, n) in {"train 1x2/1x128 d128": (1, 2, 1, 128),
+                                  "train 16x16/8x1024 d128": (16, 16, 8, 1024)}.items():
+        q, k, v = (torch.randn(b, h, n, 128, generator=gen).to(device, torch.bfloat16).requires_grad_()
+                   for h in (hq, hkv, hkv))
+        do = torch.randn(b, hq, n, 128, generator=gen).to(device, torch.bfloat16)
+
+        def step(q=q, k=k, v=v, do=do):
+            for t in (q, k, v):
+                t.grad = None
+            mla_attn.ops.attention(q, k, v, causal=True, impl="triton").backward(do)
+
+        cases[name] = step
+    return cases
+
+
+def _graph_ms(fn, reps=50):
+    """Milliseconds per replay of a CUDA graph of fn() (captured after warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _kernels_per_step(fn, steps=5):
+    """(CUDA kernels launched per step, {kernel name: launches per step}) from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    names = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            names[ev.name] = names.get(ev.name, 0) + 1
+    return sum(names.values()) / steps, {k: c / steps for k, c in sorted(names.items(), key=lambda x: -x[1])}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--train", action="store_true", help="forward + backward of the flash attention op")
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.train:
+        return _main_train(args, device)
     for name, fn in _cases(device).items():
         for _ in range(20):
             fn()
@@ -73,6 +137,35 @@ def main():
     torch.cuda.synchronize()
     print(f"\ncProfile of {args.calls} calls of {name} (tottime order):")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def _main_train(args, device):
+    cases = _train_cases(device)
+    for name, fn in cases.items():
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        host = (time.perf_counter() - t0) / args.calls
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.calls
+        graph = _graph_ms(fn)
+        print(f"{name}: host {host * 1e6:.1f} us per step (no sync), wall {wall * 1e6:.1f} us per step, "
+              f"CUDA-graph replay {graph * 1e3:.1f} us per step", flush=True)
+        count, names = _kernels_per_step(fn)
+        print(f"  kernels per step: {count:g}: " + ", ".join(f"{k[:60]} x{c:g}" for k, c in names.items()), flush=True)
+    name, fn = next(iter(cases.items()))
+    for order in ("tottime", "cumulative"):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"\ncProfile of {args.calls} steps of {name} ({order} order):")
+        pstats.Stats(prof).sort_stats(order).print_stats(args.top)
 
 
 if __name__ == "__main__":
