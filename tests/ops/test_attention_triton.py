@@ -240,6 +240,30 @@ def test_torch_compile_traces_the_custom_ops():
         assert torch.equal(a, b)
 
 
+def test_torch_compile_graph_holds_the_custom_ops():
+    # Eager calls skip the dispatcher (function._fwd/_bwd); under torch.compile the graphs must still hold the
+    # opaque custom ops, forward and backward, not a trace through the launchers.
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    seen = []
+
+    def record(gm, _inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        return aot_module_simplified(gm, inputs, fw_compiler=record, bw_compiler=record)
+
+    def f(q, k, v):
+        o, _ = flash_attention(q, k, v, True, 0.2)
+        return (o * o).sum()
+
+    q, k, v = (torch.randn(1, h, n, 16, requires_grad=True) for h, n in ((4, 20), (2, 12), (2, 12)))
+    torch.compile(f, backend=backend, fullgraph=True)(q, k, v).backward()
+    assert "mla_attn.flash_attn_fwd.default" in seen and "mla_attn.flash_attn_bwd.default" in seen, seen
+
+
 def test_launch_falls_back_when_tiles_do_not_fit(monkeypatch):
     # A table entry too large for the GPU raises OutOfResources while compiling; the launcher must
     # try smaller tiles, remember the one that fit, and raise if none does.

@@ -23,3 +23,23 @@ def test_lse_gradient(impl, causal):
     for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
         assert torch.isfinite(a.grad).all()
         assert_close(a.grad, r.grad, floor=5 * dtype_floor(torch.float32), name=name)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_lse_gradient_expanded_and_nan_on_empty_rows(impl):
+    # lse.sum()'s gradient reaches the backward as an expanded tensor (strides 0), and a gradient given at rows
+    # that see no key (lse = -inf) may be anything, NaN included: those rows have P = 0 and add nothing.
+    q, k, v = torch.randn(1, 4, 9, 24), torch.randn(1, 2, 5, 24), torch.randn(1, 2, 5, 16)
+    w = torch.randn(1, 4, 9, 16)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o_r, lse_r = attention_oracle(*ref, causal=True)
+    ((o_r * w.double()).sum() + lse_r.masked_fill(lse_r.isneginf(), 0).sum()).backward()
+    dlse_nan = torch.ones(1, 4, 9).index_fill_(2, torch.arange(4), float("nan"))  # rows 0..3 see no key
+    for dlse in (torch.ones(()).expand(1, 4, 9), dlse_nan):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = mla_attn.attention(*leaves, causal=True, return_lse=True, impl=impl)
+        assert torch.isneginf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+        torch.autograd.backward([o, lse], [w, dlse])
+        for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
+            assert torch.isfinite(a.grad).all(), name
+            assert_close(a.grad, r.grad, floor=5 * dtype_floor(torch.float32), name=name)

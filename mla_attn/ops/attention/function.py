@@ -48,13 +48,15 @@ def _gluon_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return gluon_fwd.supported(q, k, v)
 
 
-@torch.library.custom_op("mla_attn::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _flash_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     if _gluon_takes(q, k, v):
         from .gluon_fwd import flash_fwd_gluon
 
         return flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=GLUON_TOKEN_MAJOR)
     return flash_attn_fwd(_unit_last(q), _unit_last(k), _unit_last(v), causal, scale)
+
+
+_flash_attn_fwd_op = torch.library.custom_op("mla_attn::flash_attn_fwd", _flash_attn_fwd_impl, mutates_args=())
 
 
 @_flash_attn_fwd_op.register_fake
@@ -63,11 +65,13 @@ def _(q, k, v, causal, scale):
     return q.new_empty((b, hq, m, v.shape[-1])), q.new_empty((b, hq, m), dtype=torch.float32)
 
 
-@torch.library.custom_op("mla_attn::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor,
-                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _flash_attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor,
+                         causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return flash_attn_bwd(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                           o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
+
+
+_flash_attn_bwd_op = torch.library.custom_op("mla_attn::flash_attn_bwd", _flash_attn_bwd_impl, mutates_args=())
 
 
 @_flash_attn_bwd_op.register_fake
@@ -77,12 +81,27 @@ def _(do, q, k, v, o, lse, dlse, causal, scale):
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
+def _fwd(q, k, v, causal, scale):
+    # The custom ops are what torch.compile sees (opaque, with fake implementations). Eager calls go to the
+    # launchers directly: the dispatcher's trip through a Python custom op costs ~25 us a call on the host,
+    # and on small rows the host, not the GPU, sets the step time.
+    if torch.compiler.is_compiling():
+        return torch.ops.mla_attn.flash_attn_fwd(q, k, v, causal, scale)
+    return _flash_attn_fwd_impl(q, k, v, causal, scale)
+
+
+def _bwd(do, q, k, v, o, lse, dlse, causal, scale):
+    if torch.compiler.is_compiling():
+        return torch.ops.mla_attn.flash_attn_bwd(do, q, k, v, o, lse, dlse, causal, scale)
+    return _flash_attn_bwd_impl(do, q, k, v, o, lse, dlse, causal, scale)
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """o, lse = FlashAttnFunction.apply(q, k, v, causal, scale); gradients of o and lse flow to q, k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = torch.ops.mla_attn.flash_attn_fwd(q, k, v, causal, scale)
+        o, lse = _fwd(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.scale = scale
@@ -92,7 +111,7 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         # d lse_i / d s_ij = p_ij, so lse's gradient enters as dS = P * (dP - (delta - dlse)).
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.mla_attn.flash_attn_bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 

@@ -47,14 +47,13 @@ import os
 
 import torch
 
-from .gluon_fwd import _SMEM_BYTES, _split_head_dim, _tma_ready, _tma_view
+from .gluon_fwd import _SMEM_BYTES, _desc, _split_head_dim, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .._gluon_compat import VERSION_OK as _VERSION_OK
     from .._gluon_compat import thread_barrier as _thread_barrier
     from .._gluon_compat import tma_load as _tma_load
@@ -499,7 +498,7 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     lay = [x for vw in views for x in vw[1:]]  # (RB, RH, CH) of q, do, k, v
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return _desc(t, rows, cols, el)
 
     q_desc, do_desc = desc(q2, block_m, d0), desc(do2, block_m, d_v)
     k_desc, v_desc = desc(k2, block_n, d0), desc(v2, block_n, d_v)
@@ -543,7 +542,7 @@ def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m
     v2 = _tma_ready(v).view(b * hk * n, d_v)
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return _desc(t, rows, cols, el)
 
     q_desc, do_desc = desc(q2, block_m, d0), desc(do2, block_m, d_v)
     k_desc, v_desc = desc(k2, block_n, d0), desc(v2, block_n, d_v)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .gluon_bwd import _LOG2E
-from .gluon_fwd import _SMEM_BYTES, _tma_view
+from .gluon_fwd import _SMEM_BYTES, _desc, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -427,7 +427,7 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
     lay = [x for vw in views for x in vw[1:]]
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return _desc(t, rows, cols, el)
 
     m_tiles = (m + block_m - 1) // block_m
     dqacc = torch.empty((b * h * m_tiles * block_m, d_qk), device=q.device, dtype=torch.float32)

@@ -760,6 +760,18 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, el):
+    """A [rows, cols] TMA tile's shared-memory layout, built once: ~10 us of Python a call otherwise, and a
+    training step builds a dozen descriptors (the host side is the limit on small rows)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], el)
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int, el):
+    """A TMA descriptor over the 2-D tensor t, [rows, cols] tiles of element type el."""
+    return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, el))
+
+
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`flash_fwd_gluon` takes these inputs (else use the Triton kernel)."""
     if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
@@ -874,7 +886,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     units = b * h // 2 if pair else b * h  # head units: (batch, head) or (batch, head pair)
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return _desc(t, rows, cols, el)
 
     q_desc, k_desc, v_desc = desc(q2, rows, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
     q1_desc, k1_desc = (desc(q2, rows, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)

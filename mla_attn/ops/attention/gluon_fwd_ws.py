@@ -33,7 +33,6 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .._gluon_compat import VERSION_OK as _VERSION_OK
     from .._gluon_compat import tma_load as _tma_load
     from .._gluon_compat import warn_untested as _warn_untested
@@ -250,7 +249,7 @@ def flash_fwd_ws(q, k, v, *, causal: bool, scale: float, block_n: int = 128, sta
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_ws: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} on {q.device}")
-    from .gluon_fwd import _tma_ready
+    from .gluon_fwd import _desc, _tma_ready
 
     b, h, m, d = q.shape
     hk, n = k.shape[1], k.shape[2]
@@ -264,7 +263,7 @@ def flash_fwd_ws(q, k, v, *, causal: bool, scale: float, block_n: int = 128, sta
     v2 = _tma_ready(v).view(b * hk * n, d)
 
     def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], el))
+        return _desc(t, rows, cols, el)
 
     grid = ((m + 127) // 128, b * h)
     _flash_fwd_ws[grid](

@@ -2,7 +2,8 @@
 
 Three launches, none with atomics, so results are bitwise reproducible:
 
-1. ``_bwd_preprocess``: delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]   (float32).
+1. ``_bwd_preprocess``: delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] - dlse[b, h, i]   (float32;
+   dlse, the gradient of lse, is 0 at rows with lse = -inf and when lse is not used).
 2. ``_bwd_dkdv_kernel``: one program per (key block, batch * KV head). It keeps its K/V tiles and
    the dK/dV accumulators in registers and loops over the ``group`` query heads that share the KV
    head and over their query blocks, recomputing P^T from the saved LSE. GQA/MQA gradients are
@@ -77,12 +78,15 @@ def _dq_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, in
 
 @triton.jit
 def _bwd_preprocess(
-    O, DO, DELTA,
+    O, DO, DELTA, LSE, DLSE,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
     H_Q, M,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
+    # delta = rowsum(dO * O), less lse's own gradient where it has one: dS = P * (dP - delta + dlse). Rows
+    # with lse = -inf have P = 0; their dlse is dropped so that a NaN there cannot reach dS (0 * NaN).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q
@@ -98,6 +102,11 @@ def _bwd_preprocess(
     b_o = tl.load(O + o_mb[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
     b_do = tl.load(DO + o_mb[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
+    if HAS_DLSE:
+        b_lse = tl.load(LSE + pid_bh.to(tl.int64) * M + offs_m, mask=offs_m < M, other=0.0)
+        b_dlse = tl.load(DLSE + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh
+                         + offs_m.to(tl.int64) * stride_lm, mask=offs_m < M, other=0.0).to(tl.float32)
+        b_delta -= tl.where(b_lse == float("-inf"), 0.0, b_dlse)
     tl.store(DELTA + pid_bh.to(tl.int64) * M + offs_m, b_delta, mask=offs_m < M)
 
 
@@ -405,14 +414,12 @@ def flash_attn_bwd(
 
     delta = triton_fwd._alloc((B, Hq, M), q.device, torch.float32)
     pre_m = 64 if not _interpreting() else 32
+    # lse's own gradient (dlse) folds into delta in the same launch (any strides: lse.sum()'s is expanded).
     _bwd_preprocess[(triton.cdiv(M, pre_m), B * Hq)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), *do.stride(), Hq, M,
-        D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m,
+        o, do, delta, lse, dlse if dlse is not None else lse, o.stride(0), o.stride(1), o.stride(2), *do.stride(),
+        *(dlse.stride() if dlse is not None else (0, 0, 0)), Hq, M,
+        D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
     )
-    if dlse is not None:
-        # lse's own gradient: dS = P * (dP - delta + dlse). Rows with lse = -inf have P = 0; their dlse
-        # is dropped so that a NaN there cannot reach dS (0 * NaN).
-        delta -= torch.where(torch.isneginf(lse), torch.zeros_like(dlse, dtype=torch.float32), dlse.float())
 
     # dQ on a side stream (SIDE_STREAM_DQ), forked here, after delta and before the dK/dV pass is
     # queued, so that the two passes overlap. The current stream waits for it before anything after
