@@ -43,3 +43,29 @@ def test_lse_gradient_expanded_and_nan_on_empty_rows(impl):
         for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
             assert torch.isfinite(a.grad).all(), name
             assert_close(a.grad, r.grad, floor=5 * dtype_floor(torch.float32), name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_lse_gradient_expanded_and_nan_on_empty_rows(dtype):
+    # On CUDA (bf16: the Gluon forward and dK/dV pass; fp32: the Triton kernels), with dlse folded into the
+    # backward's preprocess launch: an expanded dlse, a NaN dlse on rows with no key, a dlse weighted per row.
+    # Tolerance: 5x the dtype's output floor, as for the gradients in test_attention_triton.py.
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(*s, device="cuda", generator=g).to(dtype) for s in ((2, 4, 200, 64), (2, 2, 150, 64),
+                                                                              (2, 2, 150, 64)))
+    w, u = torch.randn(2, 4, 200, 64, device="cuda", generator=g), torch.randn(2, 4, 200, device="cuda", generator=g)
+    dead = 50  # causal, M = 200 > N = 150: rows 0..49 see no key
+    nan_rows = u.clone()
+    nan_rows[:, :, :dead] = float("nan")
+    for dlse in (torch.ones((), device="cuda").expand(2, 4, 200), nan_rows):
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        o_r, lse_r = attention_oracle(*ref, causal=True)
+        torch.autograd.backward([o_r, lse_r], [w.double(), dlse.double().masked_fill(lse_r.isneginf(), 0)])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = mla_attn.attention(*leaves, causal=True, return_lse=True, impl="triton")
+        assert torch.isneginf(lse[:, :, :dead]).all() and torch.isfinite(lse[:, :, dead:]).all()
+        torch.autograd.backward([o, lse], [w.to(dtype), dlse])
+        for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
+            assert torch.isfinite(a.grad).all(), name
+            assert_close(a.grad, r.grad, floor=5 * dtype_floor(dtype), name=name)
