@@ -38,6 +38,12 @@ def _triton_importable() -> bool:
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """Whether the CUDA device is sm_90 (Hopper), looked up once per device (launchers' host path)."""
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def resolve_impl(impl: str, *tensors: torch.Tensor | None, op: str) -> str:
     """Turn ``impl`` into ``"triton"`` or ``"reference"``.
 

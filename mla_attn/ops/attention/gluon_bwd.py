@@ -47,6 +47,7 @@ import os
 
 import torch
 
+from .._common import is_hopper
 from .gluon_fwd import _SMEM_BYTES, _desc, _split_head_dim, _tma_ready, _tma_view
 
 try:
@@ -456,7 +457,7 @@ if AVAILABLE:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`dkdv_gluon` takes these inputs (else the Triton dK/dV kernel runs)."""
-    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (AVAILABLE and q.is_cuda and is_hopper(q.device)):
         return False
     if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
         _warn_untested()

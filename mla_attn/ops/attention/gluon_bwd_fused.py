@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._common import is_hopper
 from .gluon_bwd import _LOG2E
 from .gluon_fwd import _SMEM_BYTES, _desc, _tma_view
 
@@ -405,7 +406,7 @@ if AVAILABLE:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`bwd_fused_gluon` takes these inputs."""
-    if not (AVAILABLE and _VERSION_OK and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (AVAILABLE and _VERSION_OK and q.is_cuda and is_hopper(q.device)):
         return False
     return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
             and q.shape[-1] == 128 and v.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0)

@@ -88,6 +88,8 @@ import os
 
 import torch
 
+from .._common import is_hopper
+
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -774,7 +776,7 @@ def _desc(t: torch.Tensor, rows: int, cols: int, el):
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`flash_fwd_gluon` takes these inputs (else use the Triton kernel)."""
-    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (AVAILABLE and q.is_cuda and is_hopper(q.device)):
         return False
     if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
         _warn_untested()

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .._common import is_hopper
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -233,7 +235,7 @@ if AVAILABLE:
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    if not (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (AVAILABLE and q.is_cuda and is_hopper(q.device)):
         return False
     if not _VERSION_OK:  # a Triton these kernels were not run with (_gluon_compat)
         _warn_untested()

@@ -17,7 +17,6 @@ their gradients are 0. Causal alignment is bottom-right, as in the forward (trit
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -427,7 +426,8 @@ def flash_attn_bwd(
     # more with them until then.
     side = _side_stream(q.device) if SIDE_STREAM_DQ and q.is_cuda else None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
 
     # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
     # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
@@ -447,14 +447,8 @@ def flash_attn_bwd(
             gluon_bwd_fused.bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, causal=bool(causal), scale=scale,
                                             token_major=not contiguous)
             return dq, dk, dv
-    dkdv_done = gluon_ok and dkdv_config is None and GLUON_DKDV
-    if dkdv_done:
-        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,
-                             token_major=not contiguous)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        dq_done = gluon_ok and contiguous and dq_config is None and GLUON_DQ
-        if dq_done:
-            gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
+    gluon_dkdv = gluon_ok and dkdv_config is None and GLUON_DKDV
+    gluon_dq = gluon_ok and contiguous and dq_config is None and GLUON_DQ
 
     def launch_dkdv(cfg):
         bm, bn, warps, stages = cfg
@@ -487,13 +481,25 @@ def flash_attn_bwd(
     es = q.element_size()
     width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
     key = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
-    if not dkdv_done:
+    # dK/dV on the current stream, then dQ on the side stream (one switch there and one back: each stream
+    # change is host time, and on small rows the host sets the step time).
+    if gluon_dkdv:
+        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,
+                             token_major=not contiguous)
+    else:
         launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
                              pinned=dkdv_config is not None)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if not dq_done:
+    if side is not None:
+        torch.cuda.set_stream(side)
+    try:
+        if gluon_dq:
+            gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
+        else:
             launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
                                  pinned=dq_config is not None)
+    finally:
+        if side is not None:
+            torch.cuda.set_stream(main)
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        main.wait_stream(side)
     return dq, dk, dv
