@@ -139,7 +139,55 @@ def main():
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
+def _per_call_us(fn, calls=2000):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return dt * 1e6
+
+
+def _host_pieces(device):
+    """Host microseconds of the pieces a training step is made of, each timed alone (no profiler)."""
+    import mla_attn
+    from mla_attn.ops.attention import gluon_fwd, triton_bwd
+
+    bf = torch.bfloat16
+    o, do = (torch.randn(1, 2, 128, 128, device=device, dtype=bf) for _ in range(2))
+    lse, delta = (torch.zeros(1, 2, 128, device=device) for _ in range(2))
+    pre_args = (o, do, delta, lse, lse, *o.stride()[:3], *do.stride(), 0, 0, 0, 2, 128, 128, 128, 64, False)
+    jit = lambda: triton_bwd._bwd_preprocess[(2, 2)](*pre_args)  # noqa: E731
+    compiled = jit()
+    runner = compiled[(2, 2, 1)]
+    q = torch.randn(1, 2, 128, 128, device=device, dtype=bf)
+    side = torch.cuda.Stream()
+
+    def switch():
+        main = torch.cuda.current_stream(device)
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(main)
+
+    with torch.no_grad():
+        fwd = lambda: mla_attn.ops.attention(q, q[:, :1], q[:, :1], causal=True, impl="triton")  # noqa: E731
+        return {
+            "Triton launch through the JIT (_bwd_preprocess)": _per_call_us(jit),
+            "same kernel, compiled[grid](*args) (no binder)": _per_call_us(lambda: runner(*pre_args)),
+            "TMA descriptor (gluon_fwd._desc)": _per_call_us(lambda: gluon_fwd._desc(q.view(256, 128), 128, 128,
+                                                                                      gluon_fwd.gl.bfloat16)),
+            "stream switch and back": _per_call_us(switch),
+            "side.wait_stream(main)": _per_call_us(lambda: side.wait_stream(torch.cuda.current_stream(device))),
+            "torch.empty (1, 2, 128, 128)": _per_call_us(lambda: torch.empty(1, 2, 128, 128, device=device, dtype=bf)),
+            "forward alone (no grad, public op)": _per_call_us(fwd, 500),
+        }
+
+
 def _main_train(args, device):
+    for name, us in _host_pieces(device).items():
+        print(f"piece: {name}: {us:.1f} us", flush=True)
     cases = _train_cases(device)
     for name, fn in cases.items():
         for _ in range(10):
