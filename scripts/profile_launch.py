@@ -151,6 +151,16 @@ def _per_call_us(fn, calls=2000):
     return dt * 1e6
 
 
+def _no_side_stream(fn):
+    from mla_attn.ops.attention import triton_bwd
+
+    old, triton_bwd.SIDE_STREAM_DQ = triton_bwd.SIDE_STREAM_DQ, False
+    try:
+        return fn()
+    finally:
+        triton_bwd.SIDE_STREAM_DQ = old
+
+
 def _host_pieces(device):
     """Host microseconds of the pieces a training step is made of, each timed alone (no profiler)."""
     import mla_attn
@@ -171,9 +181,47 @@ def _host_pieces(device):
         torch.cuda.set_stream(side)
         torch.cuda.set_stream(main)
 
+    # The backward's parts, called directly with a forward's saved tensors.
+    from mla_attn.ops.attention import gluon_bwd
+    from mla_attn.ops.attention.function import _flash_attn_fwd_impl
+
+    kv = q[:, :1].contiguous()
+    out, lse1 = _flash_attn_fwd_impl(q, kv, kv, True, 0.1)
+    g_lse, g_delta = torch.zeros_like(lse1), torch.zeros_like(lse1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(kv), torch.empty_like(kv)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, kv)]
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None
+
+    def empty_step():
+        Empty.apply(*leaves).backward(q)
+
+    def fwd_grad():
+        mla_attn.ops.attention(*leaves, causal=True, impl="triton")
+
+    pieces = {
+        "forward with grad (public op, graph built)": _per_call_us(fwd_grad, 500),
+        "backward launcher alone (triton_bwd.flash_attn_bwd)": _per_call_us(
+            lambda: triton_bwd.flash_attn_bwd(do, q, kv, kv, out, lse1, True, 0.1), 500),
+        "backward launcher, dQ on the current stream (SIDE_STREAM_DQ off)": _no_side_stream(lambda: _per_call_us(
+            lambda: triton_bwd.flash_attn_bwd(do, q, kv, kv, out, lse1, True, 0.1), 500)),
+        "dK/dV pass alone (gluon_bwd.dkdv_gluon)": _per_call_us(
+            lambda: gluon_bwd.dkdv_gluon(q, kv, kv, do, g_lse, g_delta, dk, dv, causal=True, scale=0.1), 500),
+        "forward launcher alone (gluon_fwd.flash_fwd_gluon)": _per_call_us(
+            lambda: gluon_fwd.flash_fwd_gluon(q, kv, kv, causal=True, scale=0.1), 500),
+        "autograd: fwd + bwd of a Python Function doing one clone": _per_call_us(empty_step, 500),
+    }
+    del dq
     with torch.no_grad():
         fwd = lambda: mla_attn.ops.attention(q, q[:, :1], q[:, :1], causal=True, impl="triton")  # noqa: E731
-        return {
+        return pieces | {
             "Triton launch through the JIT (_bwd_preprocess)": _per_call_us(jit),
             "same kernel, compiled[grid](*args) (no binder)": _per_call_us(lambda: runner(*pre_args)),
             "TMA descriptor (gluon_fwd._desc)": _per_call_us(lambda: gluon_fwd._desc(q.view(256, 128), 128, 128,
