@@ -166,7 +166,7 @@ part=${ONLY:-all}
 ws_ok=0
 mla_ok=0
 case $part in
-  tests-attn) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py" ;;
+  tests-attn) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py" ;;
   tests-decode) gpu_files="tests/ops/test_decode_triton.py tests/layers" ;;
   *) gpu_files="tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py --ignore=tests/ops/test_attention_fused_bwd.py" ;;
 esac

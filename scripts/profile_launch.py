@@ -151,14 +151,15 @@ def _per_call_us(fn, calls=2000):
     return dt * 1e6
 
 
-def _no_side_stream(fn):
+def _side_stream_forced(fn):
     from mla_attn.ops.attention import triton_bwd
 
-    old, triton_bwd.SIDE_STREAM_DQ = triton_bwd.SIDE_STREAM_DQ, False
+    old = triton_bwd.SIDE_STREAM_DQ, triton_bwd.SIDE_STREAM_MIN_WORK
+    triton_bwd.SIDE_STREAM_DQ, triton_bwd.SIDE_STREAM_MIN_WORK = True, 0
     try:
         return fn()
     finally:
-        triton_bwd.SIDE_STREAM_DQ = old
+        triton_bwd.SIDE_STREAM_DQ, triton_bwd.SIDE_STREAM_MIN_WORK = old
 
 
 def _host_pieces(device):
@@ -208,10 +209,10 @@ def _host_pieces(device):
 
     pieces = {
         "forward with grad (public op, graph built)": _per_call_us(fwd_grad, 500),
-        "backward launcher alone (triton_bwd.flash_attn_bwd)": _per_call_us(
-            lambda: triton_bwd.flash_attn_bwd(do, q, kv, kv, out, lse1, True, 0.1), 500),
-        "backward launcher, dQ on the current stream (SIDE_STREAM_DQ off)": _no_side_stream(lambda: _per_call_us(
+        "backward launcher alone, dQ on the side stream (forced)": _side_stream_forced(lambda: _per_call_us(
             lambda: triton_bwd.flash_attn_bwd(do, q, kv, kv, out, lse1, True, 0.1), 500)),
+        "backward launcher alone, default (one stream below SIDE_STREAM_MIN_WORK)": _per_call_us(
+            lambda: triton_bwd.flash_attn_bwd(do, q, kv, kv, out, lse1, True, 0.1), 500),
         "dK/dV pass alone (gluon_bwd.dkdv_gluon)": _per_call_us(
             lambda: gluon_bwd.dkdv_gluon(q, kv, kv, do, g_lse, g_delta, dk, dv, causal=True, scale=0.1), 500),
         "forward launcher alone (gluon_fwd.flash_fwd_gluon)": _per_call_us(

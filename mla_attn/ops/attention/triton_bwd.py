@@ -45,6 +45,12 @@ GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", 
 # A B B A order in one run) fwd+bwd went 381 -> 384, 379 -> 384, 307 -> 318, 343 -> 342 TFLOP/s on the
 # four benchmark rows: on by default; MLA_ATTN_BWD_SIDE_STREAM=0 keeps one stream.
 SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "1") != "0"
+# ... but only where the backward has this much work, B * Hq * M * N * (Dqk + Dv) (half that when causal):
+# the fork and join cost ~80 us of host time a step (profile_launch.py --train: the launcher alone 530 vs
+# 449 us on the H100 host), and below it a step is host-bound, so that time is the step's, while the overlap
+# gains 1-3% of the GPU time. 8e10 is ~2 ms of fwd+bwd on the H100/H200 (16 x 16/8 x 1024 x 128, 3.4e10,
+# replays in 0.80 ms), above the ~1.3 ms of host time a step takes there.
+SIDE_STREAM_MIN_WORK = float(os.environ.get("MLA_ATTN_BWD_SIDE_STREAM_MIN_WORK", "8e10"))
 _SIDE_STREAMS: dict = {}
 
 
@@ -424,7 +430,8 @@ def flash_attn_bwd(
     # queued, so that the two passes overlap. The current stream waits for it before anything after
     # this backward; the buffers it touches were all made on the current stream, which does nothing
     # more with them until then.
-    side = _side_stream(q.device) if SIDE_STREAM_DQ and q.is_cuda else None
+    work = B * Hq * M * N * (Dqk + Dv) / (2 if causal else 1)
+    side = _side_stream(q.device) if SIDE_STREAM_DQ and q.is_cuda and work >= SIDE_STREAM_MIN_WORK else None
     if side is not None:
         main = torch.cuda.current_stream(q.device)
         side.wait_stream(main)
