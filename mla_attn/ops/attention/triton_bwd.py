@@ -46,9 +46,9 @@ GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", 
 # four benchmark rows: on by default; MLA_ATTN_BWD_SIDE_STREAM=0 keeps one stream.
 SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "1") != "0"
 # ... but only where the backward has this much work, B * Hq * M * N * (Dqk + Dv) (half that when causal):
-# the fork and join cost ~80 us of host time a step (profile_launch.py --train: the launcher alone 530 vs
-# 449 us on the H100 host), and below it a step is host-bound, so that time is the step's, while the overlap
-# gains 1-3% of the GPU time. 8e10 is ~2 ms of fwd+bwd on the H100/H200 (16 x 16/8 x 1024 x 128, 3.4e10,
+# the fork and join cost 33-81 us of host time a step (profile_launch.py --train, the launcher alone with the
+# side stream and without, three H100 calls: 530 vs 449, 584 vs 504, 392 vs 359 us), and below it a step is
+# host-bound, so that time is the step's, while the overlap gains 1-3% of the GPU time. 8e10 is ~2 ms of fwd+bwd on the H100/H200 (16 x 16/8 x 1024 x 128, 3.4e10,
 # replays in 0.80 ms), above the ~1.3 ms of host time a step takes there.
 SIDE_STREAM_MIN_WORK = float(os.environ.get("MLA_ATTN_BWD_SIDE_STREAM_MIN_WORK", "8e10"))
 _SIDE_STREAMS: dict = {}
