@@ -14,6 +14,8 @@
 #     (scripts/profile_launch.py --train), fwd+bwd eager against a CUDA-graph replay
 #   ONLY=tests / ONLY=bench bash scripts/gpu_check.sh [OUTDIR]   the check in two halves (10-minute device calls)
 #   ONLY=tests-attn / ONLY=tests-decode bash scripts/gpu_check.sh [OUTDIR]   ONLY=tests in two (a cold machine)
+#   ONLY=tests-attn1 / ONLY=tests-attn2 bash scripts/gpu_check.sh [OUTDIR]   tests-attn in two: the Gluon
+#     forward's tests, then the rest (a cold machine ran past 540 s on the whole of tests-attn)
 #   ONLY=probe bash scripts/gpu_check.sh [OUTDIR]   diagnostics: the MLA decode tile-rate probe and clock64 trace
 #   ONLY=fwdprobe bash scripts/gpu_check.sh [OUTDIR]   diagnostics of the Gluon forward: experimental schedules'
 #     tests and bench, clock64 trace, block timeline
@@ -167,15 +169,19 @@ ws_ok=0
 mla_ok=0
 case $part in
   tests-attn) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py" ;;
+  # tests-attn in two halves, for a cold machine where the whole of it ran past 540 s (session 23)
+  tests-attn1) gpu_files="tests/ops/test_attention_gluon.py"; gpu_k=" and gluon_forward" ;;
+  tests-attn2) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py"; gpu_k=" and not gluon_forward" ;;
   tests-decode) gpu_files="tests/ops/test_decode_triton.py tests/layers" ;;
   *) gpu_files="tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py --ignore=tests/ops/test_attention_fused_bwd.py" ;;
 esac
-if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = tests-attn ] || [ "$part" = tests-decode ]; then
+case $part in all|tests|tests-attn|tests-attn1|tests-attn2|tests-decode) run_gpu_tests=1 ;; *) run_gpu_tests=0 ;; esac
+if [ $run_gpu_tests = 1 ]; then
   # the GPU-marked tests (the Gluon kernels' among them), and the layers' Triton wiring
   # On a cold machine flash attention's tests alone took ~440 s (session 20): ONLY=tests-attn gets 540.
   gpu_limit=420
-  [ "$part" = tests-attn ] && gpu_limit=540
-  step "gpu tests" "$(lim $gpu_limit)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu $gpu_files -k 'not experimental' 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  case $part in tests-attn*) gpu_limit=540 ;; esac
+  step "gpu tests" "$(lim $gpu_limit)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu $gpu_files -k 'not experimental${gpu_k:-}' 2>&1 | tee '$out/gpu_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
 fi
 if [ "$part" = all ] || [ "$part" = tests ] || [ "$part" = tests-decode ]; then
   step "layers on cuda" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider tests/layers/test_triton_layers.py 2>&1 | tee '$out/gpu_layers.log' | tail -15; exit \${PIPESTATUS[0]}"
