@@ -70,23 +70,31 @@ def _train_cases(device):
 
 
 def _graph_ms(fn, reps=50):
-    """Milliseconds per replay of a CUDA graph of fn() (captured after warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
+    """Milliseconds per replay of a CUDA graph of fn() (bench_attention._graphed: captured after warm-up)."""
+    from bench_attention import _graphed  # scripts/ is on sys.path when this file runs as a script
+
+    replay = _graphed(fn)
+    replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        g.replay()
+        replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps * 1e3
+
+
+def _host_and_wall_us(fn, calls, warm):
+    """(host us per call with no sync, wall us per call) over `calls` back-to-back calls after `warm` ones."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls
+    return host * 1e6, wall * 1e6
 
 
 def _kernels_per_step(fn, steps=5):
@@ -114,41 +122,27 @@ def main():
     if args.train:
         return _main_train(args, device)
     for name, fn in _cases(device).items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        host, wall = _host_and_wall_us(fn, args.calls, 20)
+        print(f"{name}: host {host:.1f} us per call (no sync), wall {wall:.1f} us per call", flush=True)
+    _cprofile(*next(iter(_cases(device).items())), args, ("tottime",), "calls")
+
+
+def _cprofile(name, fn, args, orders, what):
+    """cProfile of args.calls calls of fn, printed in each of `orders` (pstats sort keys)."""
+    for order in orders:
+        prof = cProfile.Profile()
+        prof.enable()
         for _ in range(args.calls):
             fn()
-        host = (time.perf_counter() - t0) / args.calls
+        prof.disable()
         torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t1) / args.calls
-        print(f"{name}: host {host * 1e6:.1f} us per call (no sync), wall {wall * 1e6:.1f} us per call", flush=True)
-    name, fn = next(iter(_cases(device).items()))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"\ncProfile of {args.calls} calls of {name} (tottime order):")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        print(f"\ncProfile of {args.calls} {what} of {name} ({order} order):")
+        pstats.Stats(prof).sort_stats(order).print_stats(args.top)
 
 
 def _per_call_us(fn, calls=2000):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return dt * 1e6
+    """Host us per call, no sync."""
+    return _host_and_wall_us(fn, calls, 20)[0]
 
 
 def _side_stream_forced(fn):
@@ -239,30 +233,13 @@ def _main_train(args, device):
         print(f"piece: {name}: {us:.1f} us", flush=True)
     cases = _train_cases(device)
     for name, fn in cases.items():
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        host = (time.perf_counter() - t0) / args.calls
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.calls
+        host, wall = _host_and_wall_us(fn, args.calls, 10)
         graph = _graph_ms(fn)
-        print(f"{name}: host {host * 1e6:.1f} us per step (no sync), wall {wall * 1e6:.1f} us per step, "
+        print(f"{name}: host {host:.1f} us per step (no sync), wall {wall:.1f} us per step, "
               f"CUDA-graph replay {graph * 1e3:.1f} us per step", flush=True)
         count, names = _kernels_per_step(fn)
         print(f"  kernels per step: {count:g}: " + ", ".join(f"{k[:60]} x{c:g}" for k, c in names.items()), flush=True)
-    name, fn = next(iter(cases.items()))
-    for order in ("tottime", "cumulative"):
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"\ncProfile of {args.calls} steps of {name} ({order} order):")
-        pstats.Stats(prof).sort_stats(order).print_stats(args.top)
+    _cprofile(*next(iter(cases.items())), args, ("tottime", "cumulative"), "steps")
 
 
 if __name__ == "__main__":
