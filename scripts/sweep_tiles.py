@@ -1,7 +1,7 @@
 """Tile / variant sweep on the GPU: times each kernel under alternative configs so the tables in
 triton_fwd.py, triton_bwd.py and triton_decode.py can be chosen from measurements.
 
-    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa|gqa-batch] [--out sweep.json]
+    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa|gqa-batch|ab-gqa-paged|ab-gqa-splits] [--out sweep.json]
 
 Every line printed is one measurement: kernel, shape, variant, median ms (triton.testing.do_bench),
 and the rate. Decode variants are timed as CUDA-graph replays (GPU time, no host launch cost).
@@ -201,9 +201,52 @@ def ab_gqa_paged(args):
                                                                                 None, config=cfg)), 8), nbytes, "GB/s")
 
 
+def ab_gqa_splits(args):
+    """Large-batch GQA split more finely: the per-sequence split at 1 (the heuristic's choice once the batch
+    fills a wave), 2, 3 and 4, and a two-per-SM tile at 1 and 2, against SDPA. The question: at B=32 a
+    program streams 4 MB (two waves of 256 long programs), at B=128 1 MB (eight waves), and only B=32
+    trails SDPA; shorter programs shrink the tail where too few SMs are left to keep DRAM busy.
+    Two rounds in rotated order, each variant as a lone graph and as a step of an 8-layer graph."""
+    from bench_decode import _bench_layers, paged_kv
+
+    from mla_attn.ops.decode import triton_decode as td
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    two = td.DecodeConfig(16, 64, 4, 4, 2)
+    variants = [("default s=auto", None, None), ("default s=2", None, 2), ("default s=3", None, 3),
+                ("default s=4", None, 4), ("n64s4c2 s=auto", two, None), ("n64s4c2 s=2", two, 2)]
+    gen = torch.Generator().manual_seed(2)
+    d = 128
+    for b, hq, hkv, length, paged in [(32, 32, 8, 8192, False), (32, 32, 8, 8192, True),
+                                      (128, 64, 8, 4096, False)]:
+        torch.cuda.empty_cache()
+        q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        table = None
+        if paged:
+            k, v, table = paged_kv(k, v, gen)
+        nbytes = b * length * hkv * 2 * d * 2
+        shape = f"B{b} {hq}/{hkv} L{length}" + (" paged64" if paged else "")
+        runs = [(name, (lambda cfg=cfg, sp=sp, kk=k, vv=v: td.gqa_decode(q, kk, vv, lens, table, d ** -0.5, sp,
+                                                                        config=cfg)),
+                 (lambda cfg=cfg, sp=sp: (lambda kk=k.clone(), vv=v.clone(): td.gqa_decode(
+                     q, kk, vv, lens, table, d ** -0.5, sp, config=cfg))))
+                for name, cfg, sp in variants]
+        if not paged:
+            runs.append(("sdpa", lambda: sdpa(q, k, v, enable_gqa=True),
+                         lambda: (lambda kk=k.clone(), vv=v.clone(): sdpa(q, kk, vv, enable_gqa=True))))
+        for r in range(2):
+            for name, fn, make in (runs if r == 0 else runs[::-1]):
+                _record("gqa", shape, f"{name} round {r}", lambda: _graph_ms(fn), nbytes, "GB/s")
+                _record("gqa", shape, f"{name} round {r} 8-layer step", lambda: 1e3 * _bench_layers(make, 8),
+                        nbytes, "GB/s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch", "ab-gqa-paged"])
+    ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch", "ab-gqa-paged",
+                                                             "ab-gqa-splits"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -211,7 +254,7 @@ def main():
     t0 = time.time()
     for part in args.only or ["attn", "mla", "gqa"]:
         {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa, "gqa-batch": sweep_gqa_batch,
-         "ab-gqa-paged": ab_gqa_paged}[part](args)
+         "ab-gqa-paged": ab_gqa_paged, "ab-gqa-splits": ab_gqa_splits}[part](args)
         print(f"-- {part} done at {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
