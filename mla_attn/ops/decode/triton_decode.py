@@ -346,6 +346,10 @@ def choose_num_splits(batch: int, head_tiles: int, max_seq_len_hint: int, num_sm
     reaches, where a wave is ``num_sms * ctas_per_sm`` programs. Each split keeps at least
     ``min_tiles_per_split`` tiles of ``block_n`` keys of the longest possible sequence
     (``max_seq_len_hint``, the cache capacity), so short caches are not over-split.
+
+    Once the batch alone fills a wave, nothing is split. GQA at B=32 (256 programs, about two uneven
+    waves) and B=128, split 2-4 ways, was 1.5-4% slower than unsplit on the H100 (2026-12-05,
+    ``sweep_tiles.py --only ab-gqa-splits``): the partials and their merge cost more than the tail saved.
     """
     base = batch * head_tiles
     if base <= 0 or max_seq_len_hint <= 0:
