@@ -25,6 +25,8 @@
 #     its tests, then the MLA decode bench with it routed
 #   ONLY=fused bash scripts/gpu_check.sh [OUTDIR]  the Triton decode's GPU tests, then the decode bench's GQA
 #     and MLA H = 16 rows with the fused merge on and off
+#   ONLY=launch bash scripts/gpu_check.sh [OUTDIR]  cached decode plans / binder-free launches: the decode GPU
+#     tests, eager decode host cost with them off and on, the decode bench's GQA rows both ways
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -109,6 +111,17 @@ if [ "${ONLY:-}" = host ]; then
   step "gpu tests touching the host path" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py -k 'lse or compile or deterministic or side_stream' 2>&1 | tee '$out/gpu_host_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
   step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
   step "bench host overhead (eager vs graph)" "$(lim 300)" $PY scripts/bench_attention.py --host-overhead "$out/bench_host_overhead.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = launch ]; then
+  # Cached decode plans and binder-free launches (mla_attn/ops/_launch.py): the decode GPU tests (CUDA-graph
+  # replays among them), then the host cost of eager decode calls with them off and on, then the decode
+  # bench's GQA rows (eager and graph columns).
+  step "decode gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers -k 'not experimental' 2>&1 | tee '$out/gpu_launch_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
+  step "profile host side of eager decode" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 30 2>&1 | tee '$out/profile_launch_decode.txt'; exit \${PIPESTATUS[0]}"
+  step "bench decode, GQA rows, fast launch off" "$(lim 120)" env MLA_ATTN_FAST_LAUNCH=0 $PY scripts/bench_decode.py --graph --only gqa --out "$out/bench_decode_gqa_slow.md"
+  step "bench decode, GQA rows, fast launch on" "$(lim 120)" $PY scripts/bench_decode.py --graph --only gqa --out "$out/bench_decode_gqa_fast.md"
   echo "gpu_check status: $status"
   exit $status
 fi

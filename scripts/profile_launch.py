@@ -1,6 +1,9 @@
 """Host-side cost of one eager decode call, or of one training step (CUDA): where the microseconds go
 before the GPU starts.
 
+Decode cases run with ``mla_attn.ops._launch.FAST`` off and on, alternately (cached launch plans and
+binder-free launches; ``MLA_ATTN_FAST_LAUNCH``).
+
 At batch 1 a decode step's GPU work is tens of microseconds, so an eager call is only as fast as its
 Python path (validation, allocations, Triton's launcher). This times the host side alone (many calls
 queued without synchronising) and prints a cProfile of the same calls.
@@ -24,8 +27,11 @@ import torch
 
 
 def _cases(device):
+    import importlib
+
     import mla_attn
 
+    td = importlib.import_module("mla_attn.ops.decode.triton_decode")
     gen = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
     q = torch.randn(1, 32, 128, generator=gen).to(device, bf)
@@ -35,9 +41,13 @@ def _cases(device):
     buf = torch.randn(1, 32768, 576, generator=gen).to(device, bf)
     ql = torch.randn(1, 128, 512, generator=gen).to(device, bf)
     qr = torch.randn(1, 128, 64, generator=gen).to(device, bf)
+    ql16, qr16 = ql[:, :16].contiguous(), qr[:, :16].contiguous()
 
     def gqa():
         return mla_attn.decode_attention(q, k, v, lens)
+
+    def gqa_launcher():
+        return td.gqa_decode(q.unsqueeze(2), k, v, lens, None, 0.088, None)
 
     def gqa_1split():
         return mla_attn.decode_attention(q, k, v, lens, num_splits=1)
@@ -45,8 +55,12 @@ def _cases(device):
     def mla():
         return mla_attn.mla_decode(ql, qr, buf[..., :512], buf[..., 512:], lens, scale=0.1)
 
-    return {"gqa B1 L32768 (auto splits)": gqa, "gqa B1 (num_splits=1, one launch)": gqa_1split,
-            "mla B1 H128 L32768 (auto splits)": mla}
+    def mla16():
+        return mla_attn.mla_decode(ql16, qr16, buf[..., :512], buf[..., 512:], lens, scale=0.1)
+
+    return {"gqa B1 L32768 (auto splits)": gqa, "gqa B1 L32768, launcher gqa_decode (no validation)": gqa_launcher,
+            "gqa B1 (num_splits=1, one launch)": gqa_1split, "mla B1 H128 L32768 (auto splits, Gluon)": mla,
+            "mla B1 H16 L32768 (auto splits, Triton kernel)": mla16}
 
 
 def _train_cases(device):
@@ -121,9 +135,15 @@ def main():
     device = torch.device("cuda")
     if args.train:
         return _main_train(args, device)
+    from mla_attn.ops import _launch
+
     for name, fn in _cases(device).items():
-        host, wall = _host_and_wall_us(fn, args.calls, 20)
-        print(f"{name}: host {host:.1f} us per call (no sync), wall {wall:.1f} us per call", flush=True)
+        for fast in (False, True, False, True):  # plans and binder-free launches off / on, alternating
+            _launch.FAST = fast
+            host, wall = _host_and_wall_us(fn, args.calls, 20)
+            print(f"{name} [fast launch {'on' if fast else 'off'}]: host {host:.1f} us per call (no sync), "
+                  f"wall {wall:.1f} us per call", flush=True)
+    _launch.FAST = True
     _cprofile(*next(iter(_cases(device).items())), args, ("tottime",), "calls")
 
 

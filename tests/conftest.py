@@ -28,3 +28,20 @@ def _seed(request):
     # A fresh but reproducible stream per test: different tests draw different inputs.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    # Decode calls replay cached host plans (mla_attn/ops/_launch.py); a test that patches a host function
+    # (split count, tiles, SM count) must see its patch, so every test starts and ends with no plans.
+    import sys
+
+    def clear():
+        for name in ("mla_attn.ops.decode.triton_decode", "mla_attn.ops.decode.gluon_mla"):
+            plans = getattr(sys.modules.get(name), "_plans", None)
+            if plans is not None:
+                plans.clear()
+
+    clear()
+    yield
+    clear()

@@ -692,3 +692,170 @@ def test_cuda_graph_replay_new_seq_lens_gpu(balance, monkeypatch):
         torch.cuda.synchronize()
         ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table)
         _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.1), BF16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cached launch plans (mla_attn/ops/_launch.py): later calls with the same shapes replay the host
+# decisions of the first and, on CUDA, launch the compiled kernels without Triton's binder.
+
+# (kind, B, H, Hkv, lens, page, splits, dtype, balance)
+PLAN_CASES = [
+    ("gqa", 3, 8, 2, [100, 17, 64], None, 1, F32, None),
+    ("gqa", 3, 9, 3, [100, 1, 64], 16, 3, F16, None),  # the split merge replays too
+    ("mla", 3, 16, 1, [113, 0, 64], 4, 5, F32, None),
+    ("mla", 2, 9, 1, [100, 63], None, None, F16, True),  # balanced: its merge reads seq_lens
+]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: "{}-B{}-H{}-P{}-splits{}-{}-bal{}".format(
+    c[0], c[1], c[2], c[5], c[6], str(c[7])[6:], c[8]))
+def test_plan_replay_new_inputs(case, monkeypatch):
+    """Three calls with one call key: one plan, fresh outputs each time, each against the oracle with new
+    queries and new lengths (0 included) over the same NaN-poisoned cache."""
+    kind, b, h, hkv, lens, page, splits, dtype, balance = case
+    monkeypatch.setattr(td, "BALANCE", balance)
+    if kind == "gqa":
+        q, k, v, seq_lens, table = _gqa_inputs(b, h, hkv, 64, 64, 1, lens, page, dtype)
+    else:
+        q, qr, c, kr, seq_lens, table = _mla_inputs(b, h, 64, 16, 1, lens, page, dtype)
+    outs = []
+    for step, new_lens in enumerate((lens, [max(x - 7, 0) for x in lens], [0] + lens[1:])):
+        seq_lens = torch.tensor(new_lens, dtype=torch.int32, device=DEV)
+        q = torch.randn_like(q)
+        if kind == "gqa":
+            o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, splits)
+            ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+            base = _lowp_gqa(q, k, v, seq_lens, table, 0.125)
+        else:
+            o, lse = td.mla_decode(q, qr, c, kr, seq_lens, table, 0.125, splits)
+            ref_o, ref_lse = mla_decode_oracle(q, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+            base = _lowp_mla(q, qr, c, kr, seq_lens, table, 0.125)
+        _check(o, lse, ref_o, ref_lse, base, dtype)
+        assert len(td._plans) == 1, f"call {step} made a new plan: {len(td._plans)} plans"
+        outs.append(o)
+    assert len({o.data_ptr() for o in outs}) == 3, "a replayed plan must not hand back an earlier call's output"
+    plan = next(iter(td._plans.values()))
+    if HAS_CUDA:  # the replays went around Triton's binder
+        assert plan.decode.runner is not None
+        assert plan.combine is None or plan.combine.runner is not None
+
+
+def test_plan_key_sees_layout_alignment_and_splits():
+    """A call that Triton would specialise differently gets its own plan: other strides, a pointer off
+    16-byte alignment, another split count."""
+    q, k, v, seq_lens, _ = _gqa_inputs(2, 4, 2, 64, 64, 1, [40, 9], None, F32)
+    scale = 0.125
+
+    def run(qx, splits=1):
+        o, lse = td.gqa_decode(qx, k, v, seq_lens, None, scale, splits)
+        ref_o, ref_lse = decode_oracle(qx, k, v, seq_lens, scale=scale)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(qx, k, v, seq_lens, None, scale), F32)
+
+    run(q)
+    run(q.clone())
+    assert len(td._plans) == 1
+    run(q.transpose(0, 1).contiguous().transpose(0, 1))  # [B, H] strides swapped
+    assert len(td._plans) == 2
+    flat = torch.randn(q.numel() + 1, device=DEV)
+    run(flat[1:].view(q.shape))  # 4 bytes past an aligned start
+    assert len(td._plans) == 3
+    run(q, splits=2)
+    assert len(td._plans) == 4
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append((grid, args))
+
+
+class _FakeJit:
+    """A JIT function stand-in: Triton's arg_names / signature, and a compile that returns _FakeCompiled."""
+
+    def __init__(self, fn):
+        import inspect
+
+        self.signature = inspect.signature(fn)
+        self.arg_names = list(self.signature.parameters)
+        self.compiled = _FakeCompiled()
+        self.jit_calls = []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            return self.compiled
+        return call
+
+
+def test_launch_replays_all_arguments_in_parameter_order(monkeypatch):
+    """After the JIT call, Launch hands the compiled kernel every parameter in order: per-call slots,
+    fixed integers, constexprs given by keyword and the defaults of those not given."""
+    from mla_attn.ops import _launch
+
+    def kernel(X, Y, n, stride, BLOCK=None, FLAG=False, EXTRA=7):  # noqa: N803 - kernel-style names
+        pass
+
+    monkeypatch.setattr(_launch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "FAST", True)
+    fn = _FakeJit(kernel)
+    launch = _launch.Launch(fn, (3, 2), (_launch.Slot(0), _launch.Slot(1), 5, 64), dict(BLOCK=16, FLAG=True),
+                            dict(num_warps=4))
+    launch("x0", "y0")
+    assert fn.jit_calls == [((3, 2), ("x0", "y0", 5, 64), dict(BLOCK=16, FLAG=True, num_warps=4))]
+    launch("x1", "y1")
+    launch("x2", "y2")
+    assert len(fn.jit_calls) == 1
+    assert fn.compiled.calls == [((3, 2), ("x1", "y1", 5, 64, 16, True, 7)),
+                                 ((3, 2), ("x2", "y2", 5, 64, 16, True, 7))]
+    monkeypatch.setattr(_launch, "FAST", False)  # MLA_ATTN_FAST_LAUNCH=0: every call through the JIT
+    slow = _launch.Launch(fn, (1,), (_launch.Slot(0), _launch.Slot(1), 5, 64), {}, {})
+    slow("a", "b")
+    slow("c", "d")
+    assert len(fn.jit_calls) == 3 and slow.runner is None
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    from mla_attn.ops import _launch
+
+    monkeypatch.setattr(_launch, "MAX_PLANS", 3)
+    cache = _launch.PlanCache()
+    for i in range(7):
+        cache.put(i, i)
+        assert len(cache) <= 3 and cache[i] == i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gqa-b1", "gqa-paged", "mla16", "mla128-triton"])
+def test_fast_launch_equals_jit_launch_gpu(kind, monkeypatch):
+    """bf16 at benchmark-like shapes: the binder-free replay gives bit-identical results to a launch
+    through Triton's JIT (MLA_ATTN_FAST_LAUNCH=0), and both match the oracle."""
+    from mla_attn.ops import _launch
+
+    monkeypatch.setattr(td, "GLUON_MLA", False)
+    if kind.startswith("gqa"):
+        page = 64 if kind == "gqa-paged" else None
+        q, k, v, seq_lens, table = _gqa_inputs(1 if kind == "gqa-b1" else 4, 32, 8, 128, 128, 1,
+                                               [8000] if kind == "gqa-b1" else [3000, 0, 1, 777], page, BF16)
+        call = lambda: td.gqa_decode(q, k, v, seq_lens, table, 0.088, None)  # noqa: E731
+        oracle = lambda: decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.088)  # noqa: E731
+        base = lambda: _lowp_gqa(q, k, v, seq_lens, table, 0.088)  # noqa: E731
+    else:
+        h = 16 if kind == "mla16" else 128
+        q, qr, c, kr, seq_lens, table = _mla_inputs(4, h, 512, 64, 1, [3000, 0, 1, 2222], 64, BF16)
+        call = lambda: td.mla_decode(q, qr, c, kr, seq_lens, table, 0.1, None)  # noqa: E731
+        oracle = lambda: mla_decode_oracle(q, qr, c, kr, seq_lens, scale=0.1, block_table=table)  # noqa: E731
+        base = lambda: _lowp_mla(q, qr, c, kr, seq_lens, table, 0.1)  # noqa: E731
+    monkeypatch.setattr(_launch, "FAST", False)
+    o_jit, lse_jit = call()
+    td._plans.clear()
+    monkeypatch.setattr(_launch, "FAST", True)
+    call()  # builds the plan through the JIT
+    plan = next(iter(td._plans.values()))
+    assert plan.decode.runner is not None
+    o_fast, lse_fast = call()  # replayed: no binder
+    torch.cuda.synchronize()
+    assert torch.equal(o_fast, o_jit) and torch.equal(lse_fast, lse_jit)
+    ref_o, ref_lse = oracle()
+    _check(o_fast, lse_fast, ref_o, ref_lse, base(), BF16)

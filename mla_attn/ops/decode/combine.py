@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv, next_pow2
+from .._launch import Launch, Slot
 
 _alloc = torch.empty  # output buffers (tests swap in a NaN-filled allocator)
 
@@ -175,11 +176,15 @@ def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGE
     return block_r, block_dv, chunk, warps
 
 
-def _launch(o_parts3, lse_parts2, o2, lse1):
-    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R]."""
+def _launch(o_parts3, lse_parts2, o2, lse1, seq_lens_slot: int = 3):
+    """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R].
+
+    Returns the :class:`Launch` it ran (None when there is nothing to merge). Its per-call values are
+    ``(o_parts, lse_parts, o, lse, seq_lens)``: tensors with these four's data pointers (views of the same
+    memory, or later calls' buffers of the same layout) and a dummy, so a cached decode plan can rerun it."""
     k, r, dv = o_parts3.shape
     if r == 0:
-        return
+        return None
     # The interpreter runs programs one by one: there, fewer and bigger is faster.
     if o2.is_cuda:
         block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, _TARGET_PROGRAMS, _STEP_ELEMENTS, _MAX_CHUNK,
@@ -187,47 +192,56 @@ def _launch(o_parts3, lse_parts2, o2, lse1):
     else:
         block_r, block_dv, chunk, warps = _combine_tiles(k, r, dv, 0)
     pdl = _PDL and o2.is_cuda
-    _combine_kernel[(cdiv(r, block_r), cdiv(dv, block_dv))](
-        o_parts3, lse_parts2, o2, lse1, k, r,
-        *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
-        SEQ_LENS=lse1, batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused when not BALANCED
-        num_warps=warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+    launch = Launch(
+        _combine_kernel, (cdiv(r, block_r), cdiv(dv, block_dv)),
+        (Slot(0), Slot(1), Slot(2), Slot(3), k, r,
+         *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride()),
+        dict(DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
+             SEQ_LENS=Slot(seq_lens_slot), batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused
+             **({"PDL": True} if pdl else {})),
+        dict(num_warps=warps, **({"launch_pdl": True} if pdl else {})),
     )
+    launch(o_parts3, lse_parts2, o2, lse1, lse1)
+    return launch
 
 
-def combine_splits(o_part, lse_part, o, lse) -> None:
+def combine_splits(o_part, lse_part, o, lse):
     """Merge the decode kernel's partials: o_part [K, B, H, S, Dv] fp32, lse_part [K, B, H, S] into
-    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous)."""
+    o [B, H, S, Dv] (its dtype), lse [B, H, S] fp32 (both freshly allocated, contiguous). Returns the
+    :class:`Launch` (values ``(o_part, lse_part, o, lse, unused)``) or None."""
     k, dv = o_part.shape[0], o_part.shape[-1]
     rows = o.numel() // dv
     # (B, H, S) collapse to one row index in either partial layout (split outermost or innermost).
     o3 = o_part.as_strided((k, rows, dv), (o_part.stride(0), o_part.stride(-2), o_part.stride(-1)))
     l2 = lse_part.as_strided((k, rows), (lse_part.stride(0), lse_part.stride(-1)))
-    _launch(o3, l2, o.view(-1, dv), lse.view(-1))
+    return _launch(o3, l2, o.view(-1, dv), lse.view(-1))
 
 
-def combine_balanced(o_part, lse_part, o, lse, seq_lens, num_workers: int, tile_n: int) -> None:
+def combine_balanced(o_part, lse_part, o, lse, seq_lens, num_workers: int, tile_n: int):
     """Merge the balanced decode's partials: o_part [W + B - 1, H, S, Dv] fp32 and lse_part
-    [W + B - 1, H, S] (slot b + w: worker w's piece of sequence b) into o [B, H, S, Dv], lse [B, H, S]."""
+    [W + B - 1, H, S] (slot b + w: worker w's piece of sequence b) into o [B, H, S, Dv], lse [B, H, S].
+    Returns the :class:`Launch` (values ``(o_part, lse_part, o, lse, seq_lens)``) or None."""
     b, h, s, dv = o.shape
     rows_per_seq = h * s
     if b * rows_per_seq == 0:
-        return
+        return None
     target = _TARGET_PROGRAMS if o.is_cuda else 0
     block_r, block_dv, chunk, warps = _combine_tiles(cdiv(num_workers, b) + 1, b * rows_per_seq, dv, target)
     block_r = min(block_r, next_pow2(rows_per_seq))  # a program's rows stay in one sequence
     o3 = o_part.view(o_part.shape[0], rows_per_seq, dv)
     l2 = lse_part.view(lse_part.shape[0], rows_per_seq)
     o2, lse1 = o.view(-1, dv), lse.view(-1)
-    _combine_kernel[(b * cdiv(rows_per_seq, block_r), cdiv(dv, block_dv))](
-        o3, l2, o2, lse1, num_workers, b * rows_per_seq,
-        *o3.stride(), *l2.stride(), *o2.stride(), *lse1.stride(),
-        DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
-        SEQ_LENS=seq_lens, batch=b, rows_per_seq=rows_per_seq, tile_n=tile_n,
-        BALANCED=True, MAX_B=next_pow2(b),
-        num_warps=warps,
+    launch = Launch(
+        _combine_kernel, (b * cdiv(rows_per_seq, block_r), cdiv(dv, block_dv)),
+        (Slot(0), Slot(1), Slot(2), Slot(3), num_workers, b * rows_per_seq,
+         *o3.stride(), *l2.stride(), *o2.stride(), *lse1.stride()),
+        dict(DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
+             SEQ_LENS=Slot(4), batch=b, rows_per_seq=rows_per_seq, tile_n=tile_n,
+             BALANCED=True, MAX_B=next_pow2(b)),
+        dict(num_warps=warps),
     )
+    launch(o3, l2, o2, lse1, seq_lens)
+    return launch
 
 
 def merge_attention_states_triton(o_parts, lse_parts):

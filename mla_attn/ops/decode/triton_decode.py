@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 from .._common import cdiv, next_pow2
+from .. import _launch as _fast
+from .._launch import Launch, PlanCache, Slot, tensor_key
 from .combine import _merge_rows, combine_balanced, combine_splits
 
 _LOG2E = 1.4426950408889634
@@ -497,13 +499,51 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
+class _Plan:
+    """A decode call's host decisions for one key (:func:`_launch`): output and partial buffer sizes and
+    the kernel launches, replayed by later calls with the same shapes, strides, dtypes and alignments."""
+
+    __slots__ = ("o_shape", "lse_shape", "dtype", "device", "part_numel", "lse_offset", "fused", "decode",
+                 "combine")
+
+    def run(self, q1, q2, k1, k2, v, seq_lens, block_table, scale):
+        o = _alloc(self.o_shape, dtype=self.dtype, device=self.device)
+        lse = _alloc(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.part_numel:  # the kernel and the merge read only data pointers: no views to build
+            o_part = _alloc((self.part_numel,), dtype=torch.float32, device=self.device)
+            lse_part = o_part[self.lse_offset:]
+        else:
+            o_part, lse_part = o, lse
+        tickets = _ticket_counters(self.device) if self.fused else seq_lens
+        self.decode(q1, q1 if q2 is None else q2, k1, k1 if k2 is None else k2, k1 if v is None else v, seq_lens,
+                    seq_lens if block_table is None else block_table, o_part, lse_part, o, lse, tickets,
+                    scale * _LOG2E)
+        if self.combine is not None:
+            self.combine(o_part, lse_part, o, lse, seq_lens)
+        return o, lse
+
+
+# Plans by call key. A plan is replayed only for a call that would have made every host decision (tile,
+# split count, buffers, grid) and every Triton specialisation (strides, dtypes, pointer alignment) the same;
+# module switches read by those decisions are part of the key. Tests that patch other host functions clear it.
+_plans = PlanCache()
+
+
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
             d_v, scale, num_splits, capacity, mla, config):
-    b, h, s, d1 = q1.shape
     if q2 is not None and q2.shape[-1] == 0:  # a zero-width rope block is no rope block (never read)
         q2 = k2 = None
-    d2 = 0 if q2 is None else q2.shape[-1]
     seq_lens = seq_lens.contiguous()  # the kernel reads SEQ_LENS + b: a strided view must not reach it
+    key = None
+    if config is None and _fast.FAST:
+        key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
+               tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE)
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
+    b, h, s, d1 = q1.shape
+    d2 = 0 if q2 is None else q2.shape[-1]
     group = h // num_kv_heads
     rows = group * s
     device = q1.device
@@ -531,26 +571,32 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     lse = _alloc((b, h, s), dtype=torch.float32, device=device)
     if o.numel() == 0 or lse.numel() == 0:
         return o, lse.fill_(float("-inf"))
+    plan = _Plan()
+    plan.o_shape, plan.lse_shape, plan.dtype, plan.device = (b, h, s, d_v), (b, h, s), q1.dtype, device
+    plan.part_numel = plan.lse_offset = 0
     if balanced:  # slot b + w: worker w's piece of sequence b; a slot no worker writes is never read
         slots = num_splits + b - 1
-        part = _alloc((slots * h * s * (d_v + 1),), dtype=torch.float32, device=device)
-        o_part = part[: slots * h * s * d_v].view(slots, h, s, d_v)
-        lse_part = part[slots * h * s * d_v:].view(slots, h, s)
+        plan.part_numel, plan.lse_offset = slots * h * s * (d_v + 1), slots * h * s * d_v
+        part = _alloc((plan.part_numel,), dtype=torch.float32, device=device)
+        o_part = part[: plan.lse_offset].view(slots, h, s, d_v)
+        lse_part = part[plan.lse_offset:].view(slots, h, s)
         o_strides = (o_part.stride(0), 0) + o_part.stride()[1:]
         lse_strides = (lse_part.stride(0), 0) + lse_part.stride()[1:]
     elif num_splits == 1:
         o_part, lse_part = o.unsqueeze(0), lse.unsqueeze(0)
     else:  # one buffer for both partials: one allocation fewer on the host path
-        part = _alloc((num_splits * b * h * s * (d_v + 1),), dtype=torch.float32, device=device)
+        plan.part_numel, plan.lse_offset = num_splits * b * h * s * (d_v + 1), num_splits * b * h * s * d_v
+        part = _alloc((plan.part_numel,), dtype=torch.float32, device=device)
         # Split outermost. A row's parts adjacent ([B, H, S, K, Dv]) timed within 1.3% of it on the
         # H200 (session 11); combine_splits takes either.
-        o_part = part[: num_splits * b * h * s * d_v].view(num_splits, b, h, s, d_v)
-        lse_part = part[num_splits * b * h * s * d_v:].view(num_splits, b, h, s)
+        o_part = part[: plan.lse_offset].view(num_splits, b, h, s, d_v)
+        lse_part = part[plan.lse_offset:].view(num_splits, b, h, s)
     if not balanced:
         o_strides, lse_strides = o_part.stride(), lse_part.stride()
     fused = None
     if not balanced and b * num_kv_heads * head_tiles <= _TICKET_SLOTS:
         fused = _fused_merge_tiles(num_splits, min(cfg.block_h, rows), _pow2(d_v))
+    plan.fused = fused is not None
     tickets = _ticket_counters(device) if fused else seq_lens  # a dummy pointer when not fused
 
     bt = block_table if paged else seq_lens  # a dummy pointer when contiguous (never dereferenced)
@@ -561,37 +607,43 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
     grid = ((1 if balanced else b) * num_kv_heads * head_tiles, num_splits)
+    values = (q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, tickets, scale * _LOG2E)
 
-    def run(c: DecodeConfig):
+    def run(c: DecodeConfig) -> Launch:
         block_n = _tile_keys(c.block_n, paged, page_size)
-        _decode_kernel[grid](
-            q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, tickets,
-            scale * _LOG2E, num_kv_heads, num_splits, group, head_tiles, b,
-            *q1.stride(), *q2_strides,
-            *k1_strides, *k2_strides, *v_strides,
-            *bt_strides,
-            *o_strides, *lse_strides,
-            S=s,
-            D1=d1, D2=max(d2, 1), DV=d_v,
-            BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
-            BLOCK_H=c.block_h, BLOCK_N=block_n,
-            PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
-            HAS_K2=q2 is not None, V_IS_K1=v is None,
-            IEEE=q1.dtype == torch.float32,
-            UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
-            BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
-            **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
-            num_warps=c.num_warps, num_stages=c.num_stages,
+        launch = Launch(
+            _decode_kernel, grid,
+            (*(Slot(i) for i in range(len(values))),
+             num_kv_heads, num_splits, group, head_tiles, b,
+             *q1.stride(), *q2_strides,
+             *k1_strides, *k2_strides, *v_strides,
+             *bt_strides,
+             *o_strides, *lse_strides),
+            dict(
+                S=s,
+                D1=d1, D2=max(d2, 1), DV=d_v,
+                BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
+                BLOCK_H=c.block_h, BLOCK_N=block_n,
+                PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
+                HAS_K2=q2 is not None, V_IS_K1=v is None,
+                IEEE=q1.dtype == torch.float32,
+                UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
+                BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
+                **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
+            ),
+            dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
+        launch(*values)
+        return launch
 
     if config is not None or refitted:
-        run(cfg)  # a pinned config runs as asked (an error says it does not fit); a refitted one is known to fit
+        plan.decode = run(cfg)  # a pinned config runs as asked (an error says it does not fit); a refitted one fits
     else:
         # Out-of-resources is raised while compiling, on the host, before anything is queued: trying
         # a smaller config costs one compile per key, never a device synchronisation.
         for c in (cfg, *_smaller(cfg)):
             try:
-                run(c)
+                plan.decode = run(c)
             except OutOfResources:
                 continue
             if c != cfg:
@@ -599,10 +651,15 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             break
         else:
             raise RuntimeError(f"decode: no tile configuration fits this GPU, starting from {cfg}")
+    merge = needs_merge = None
     if balanced:
-        combine_balanced(o_part, lse_part, o, lse, seq_lens, num_splits, tile_n)
+        merge, needs_merge = combine_balanced(o_part, lse_part, o, lse, seq_lens, num_splits, tile_n), True
     elif num_splits > 1 and not fused:
-        combine_splits(o_part, lse_part, o, lse)
+        merge, needs_merge = combine_splits(o_part, lse_part, o, lse), True
+    plan.combine = merge if needs_merge else None
+    # Kept only when every launch is one this module made (a test may have patched a merge function).
+    if key is not None and (not needs_merge or isinstance(merge, Launch)):
+        _plans.put(key, plan)
     return o, lse
 
 
