@@ -81,7 +81,7 @@ class Launch:
         try:
             names = list(self.fn.arg_names)
             params = self.fn.signature.parameters
-            given = dict(zip(names, self.args)) | self.kwargs
+            given = dict(zip(names, self.args)) | self.options | self.kwargs  # an option may be a parameter too
             full, slots = [], []
             for pos, name in enumerate(names):
                 if name in given:

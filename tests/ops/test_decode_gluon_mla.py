@@ -215,3 +215,42 @@ def test_round_splits_to_whole_combine_rounds():
     for splits, programs in [(33, 3), (40, 3), (95, 1), (127, 1)]:
         r = _round_splits(splits, programs, 132)
         assert r % 32 == 0 and (programs * r <= 132 or r < splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("b,page,splits", [(1, None, None), (4, 64, 3), (3, 1, None)], ids=lambda x: str(x))
+def test_gluon_mla_plan_replay(b, page, splits, monkeypatch):
+    """Cached plans (mla_attn/ops/_launch.py) over the Gluon kernel: a replay without Triton's binder is
+    bit-identical to a launch through the JIT, and later calls with new queries and new lengths (0
+    included) over the same NaN-poisoned cache match the oracle, each with fresh outputs."""
+    from mla_attn.ops import _launch
+
+    lens = [3000, 1, 0, 777][:b] if b > 1 else [4000]
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(b, 128, 512, 64, 1, lens, page, BF16, seed=b)
+    ql, qr = ql.squeeze(2), qr.squeeze(2)
+
+    def call():
+        return gm.mla_decode_gluon(ql, qr, c, kr, seq_lens, table, 0.1, splits)
+
+    monkeypatch.setattr(_launch, "FAST", False)
+    o_jit, lse_jit = call()
+    assert not gm._plans
+    monkeypatch.setattr(_launch, "FAST", True)
+    call()
+    plan = next(iter(gm._plans.values()))
+    assert plan.decode.runner is not None and (plan.combine is None or plan.combine.runner is not None)
+    o_fast, lse_fast = call()
+    torch.cuda.synchronize()
+    assert torch.equal(o_fast, o_jit) and torch.equal(lse_fast, lse_jit)
+    outs = [o_fast]
+    for new_lens in ([max(x - 70, 0) for x in lens], [0] + lens[1:]):
+        seq_lens = torch.tensor(new_lens, dtype=torch.int32, device="cuda")
+        ql = torch.randn_like(ql)
+        o, lse = call()
+        q4, r4 = ql.unsqueeze(2), qr.unsqueeze(2)
+        ref_o, ref_lse = mla_decode_oracle(q4, r4, c, kr, seq_lens, scale=0.1, block_table=table)
+        _check(o.unsqueeze(2), lse.unsqueeze(2), ref_o, ref_lse, _lowp_mla(q4, r4, c, kr, seq_lens, table, 0.1), BF16)
+        outs.append(o)
+    assert len(gm._plans) == 1
+    assert len({o.data_ptr() for o in outs}) == len(outs)

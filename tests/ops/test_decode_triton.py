@@ -794,7 +794,7 @@ def test_launch_replays_all_arguments_in_parameter_order(monkeypatch):
     fixed integers, constexprs given by keyword and the defaults of those not given."""
     from mla_attn.ops import _launch
 
-    def kernel(X, Y, n, stride, BLOCK=None, FLAG=False, EXTRA=7):  # noqa: N803 - kernel-style names
+    def kernel(X, Y, n, stride, BLOCK=None, FLAG=False, EXTRA=7, num_warps=None):  # noqa: N803 - kernel-style
         pass
 
     monkeypatch.setattr(_launch, "triton_interpreting", lambda: False)
@@ -807,8 +807,9 @@ def test_launch_replays_all_arguments_in_parameter_order(monkeypatch):
     launch("x1", "y1")
     launch("x2", "y2")
     assert len(fn.jit_calls) == 1
-    assert fn.compiled.calls == [((3, 2), ("x1", "y1", 5, 64, 16, True, 7)),
-                                 ((3, 2), ("x2", "y2", 5, 64, 16, True, 7))]
+    # num_warps is both a launch option and (as in Gluon kernels) a parameter
+    assert fn.compiled.calls == [((3, 2), ("x1", "y1", 5, 64, 16, True, 7, 4)),
+                                 ((3, 2), ("x2", "y2", 5, 64, 16, True, 7, 4))]
     monkeypatch.setattr(_launch, "FAST", False)  # MLA_ATTN_FAST_LAUNCH=0: every call through the JIT
     slow = _launch.Launch(fn, (1,), (_launch.Slot(0), _launch.Slot(1), 5, 64), {}, {})
     slow("a", "b")

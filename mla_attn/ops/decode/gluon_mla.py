@@ -79,6 +79,8 @@ import os
 
 import torch
 
+from .._launch import Launch, PlanCache, Slot, tensor_key
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -909,9 +911,20 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
                          f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "
                          f"k_rope {None if k_rope is None else tuple(k_rope.shape)}")
+    from .. import _launch as fast
     from .combine import combine_splits
     from .triton_decode import _alloc, _num_sms, choose_num_splits
 
+    defaults = (stages == 2 and consumer_regs == 232 and maxnreg == 168 and s_once is None and trace is None
+                and pv_first is None and dedicated is None)
+    key = None
+    if defaults and fast.FAST:
+        key = (tensor_key(q_latent), tensor_key(q_rope), tensor_key(kv_latent), tensor_key(k_rope),
+               tensor_key(seq_lens), tensor_key(block_table), num_splits, S_ONCE, PV_FIRST, DEDICATED, SMALL_PAGES,
+               SMALL_HEADS)
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale)
     lead = q_latent.shape[:-1]
     b, h = q_latent.shape[0], q_latent.shape[1]
     paged = block_table is not None
@@ -926,16 +939,18 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     lse = _alloc(tuple(lead), dtype=torch.float32, device=q_latent.device)
     if b * h == 0:
         return o, lse
+    plan = _GluonPlan()
+    plan.o_shape, plan.lse_shape, plan.dtype, plan.device = tuple(lead) + (DC,), tuple(lead), q_latent.dtype, q_latent.device
+    plan.rows, plan.part_numel, plan.lse_offset = b * h, 0, 0
     if num_splits > 1:
-        part = _alloc((num_splits * b * h * (DC + 1),), dtype=torch.float32, device=q_latent.device)
+        plan.part_numel, plan.lse_offset = num_splits * b * h * (DC + 1), num_splits * b * h * DC
+        part = _alloc((plan.part_numel,), dtype=torch.float32, device=q_latent.device)
         o_part = part[: num_splits * b * h * DC].view(num_splits, b * h, DC)
         lse_part = part[num_splits * b * h * DC:].view(num_splits, b * h)
     else:
         o_part, lse_part = o, lse
     el = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, rows, cols):
-        return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, el))
+    plan.el = el
 
     seq_lens = seq_lens.to(torch.int32).contiguous()
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
@@ -952,22 +967,68 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     if h % BLOCK_H and (h > BLOCK_H or not dedicated):
         raise ValueError(f"mla_decode_gluon: {h} heads (not a multiple of {BLOCK_H}) need fewer than {BLOCK_H} heads "
                          "and the dedicated-scorer schedule (s_once=True, dedicated >= 1)")
-    extra = {"c_ptr": kv_latent, "cr_ptr": k_rope, "stride_c": kv_latent.stride(1), "stride_cr": k_rope.stride(1),
+    # Per-call values: the four descriptors, seq_lens, the block table (or its dummy), o / lse (or the
+    # partials), the score scale, and (GATHER) the two cache tensors themselves.
+    extra = {"c_ptr": Slot(9), "cr_ptr": Slot(10), "stride_c": kv_latent.stride(1), "stride_cr": k_rope.stride(1),
              "GATHER": True} if gather else {}
     if h < BLOCK_H:  # SMALL_HEADS: the O / LSE stores keep the first h rows of the tile
         extra["ROWS"] = h
-    kernel[(-(-h // BLOCK_H), b, num_splits)](
-        desc(_query_rows(q_latent, b * h), 64, 256), desc(_query_rows(q_rope, b * h), 64, 64),
-        desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64), seq_lens, bt, o_part, lse_part,
-        scale * _LOG2E, h, n, b, num_splits, *bt_strides, PAGED=paged, PAGE_SIZE=page_size,
-        STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
-        **({"TR": trace, "TRACE": True} if trace is not None else {}),
-        **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
-           if kernel is _mla_decode_s1 else {}), **extra,
+    plan.decode = Launch(
+        kernel, (-(-h // BLOCK_H), b, num_splits),
+        (Slot(0), Slot(1), Slot(2), Slot(3), Slot(4), Slot(5), Slot(6), Slot(7), Slot(8), h, n, b, num_splits,
+         *bt_strides),
+        dict(PAGED=paged, PAGE_SIZE=page_size, STAGES=stages, CONSUMER_REGS=consumer_regs,
+             **({"TR": trace, "TRACE": True} if trace is not None else {}),
+             **({"PV_FIRST": int(PV_FIRST if pv_first is None else pv_first), "DEDICATED": dedicated}
+                if kernel is _mla_decode_s1 else {}), **extra),
+        dict(num_warps=4, maxnreg=maxnreg),
     )
+    plan.decode(*plan.descriptors(q_latent, q_rope, kv_latent, k_rope), seq_lens, bt, o_part, lse_part,
+                scale * _LOG2E, kv_latent, k_rope)
+    plan.combine = None
     if num_splits > 1:
-        combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
+        plan.combine = combine_splits(o_part, lse_part, o.view(b * h, DC), lse.view(b * h))
+    if key is not None and (num_splits == 1 or isinstance(plan.combine, Launch)):
+        _plans.put(key, plan)
     return o, lse
+
+
+class _GluonPlan:
+    """:func:`mla_decode_gluon`'s host decisions for one call key, replayed by later calls (as
+    ``triton_decode._Plan``): buffers, descriptors' boxes, the kernel and merge launches."""
+
+    __slots__ = ("o_shape", "lse_shape", "dtype", "device", "rows", "part_numel", "lse_offset", "el", "decode",
+                 "combine")
+
+    def descriptors(self, q_latent, q_rope, kv_latent, k_rope):
+        def desc(t, rows, cols):
+            return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, self.el))
+
+        return (desc(_query_rows(q_latent, self.rows), 64, 256), desc(_query_rows(q_rope, self.rows), 64, 64),
+                desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64))
+
+    def run(self, q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale):
+        from .triton_decode import _alloc
+
+        o = _alloc(self.o_shape, dtype=self.dtype, device=self.device)
+        lse = _alloc(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.part_numel:
+            o_part = _alloc((self.part_numel,), dtype=torch.float32, device=self.device)
+            lse_part = o_part[self.lse_offset:]
+        else:
+            o_part, lse_part = o, lse
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        bt = seq_lens if block_table is None else block_table.to(torch.int32)
+        self.decode(*self.descriptors(q_latent, q_rope, kv_latent, k_rope), seq_lens, bt, o_part, lse_part,
+                    scale * _LOG2E, kv_latent, k_rope)
+        if self.combine is not None:
+            self.combine(o_part, lse_part, o, lse, seq_lens)
+        return o, lse
+
+
+# Plans by call key (see triton_decode._plans); only calls with the default schedule arguments are planned.
+_plans = PlanCache()
 
 
 def mla_decode_ws(q_latent, q_rope, cache, seq_lens, scale: float, **kw):
