@@ -93,7 +93,7 @@ class Launch:
                 if isinstance(value, Slot):
                     slots.append((pos, value.index))
                 full.append(value)
-            runner = compiled[self.grid]
+            runner = compiled[self.grid + (1,) * (3 - len(self.grid))]  # a compiled kernel reads all 3 axes
         except (AttributeError, KeyError, TypeError):  # another Triton's internals: stay on the JIT path
             return
         self.full, self.slots, self.runner = full, tuple(slots), runner

@@ -768,6 +768,7 @@ class _FakeCompiled:
         self.calls = []
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, f"a compiled kernel's runner reads grid[0..2], got {grid}"
         return lambda *args: self.calls.append((grid, args))
 
 
@@ -808,8 +809,8 @@ def test_launch_replays_all_arguments_in_parameter_order(monkeypatch):
     launch("x2", "y2")
     assert len(fn.jit_calls) == 1
     # num_warps is both a launch option and (as in Gluon kernels) a parameter
-    assert fn.compiled.calls == [((3, 2), ("x1", "y1", 5, 64, 16, True, 7, 4)),
-                                 ((3, 2), ("x2", "y2", 5, 64, 16, True, 7, 4))]
+    assert fn.compiled.calls == [((3, 2, 1), ("x1", "y1", 5, 64, 16, True, 7, 4)),
+                                 ((3, 2, 1), ("x2", "y2", 5, 64, 16, True, 7, 4))]
     monkeypatch.setattr(_launch, "FAST", False)  # MLA_ATTN_FAST_LAUNCH=0: every call through the JIT
     slow = _launch.Launch(fn, (1,), (_launch.Slot(0), _launch.Slot(1), 5, 64), {}, {})
     slow("a", "b")
