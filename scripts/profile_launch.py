@@ -131,20 +131,25 @@ def main():
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--train", action="store_true", help="forward + backward of the flash attention op")
+    ap.add_argument("--profile-case", type=int, default=0,
+                    help="decode: which case (0-based, in the printed order) gets the cProfile")
+    ap.add_argument("--cases", default=None, help="decode: comma-separated case indices to time (default all)")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.train:
         return _main_train(args, device)
     from mla_attn.ops import _launch
 
-    for name, fn in _cases(device).items():
+    cases = list(_cases(device).items())
+    chosen = range(len(cases)) if args.cases is None else [int(i) for i in args.cases.split(",")]
+    for name, fn in (cases[i] for i in chosen):
         for fast in (False, True, False, True):  # plans and binder-free launches off / on, alternating
             _launch.FAST = fast
             host, wall = _host_and_wall_us(fn, args.calls, 20)
             print(f"{name} [fast launch {'on' if fast else 'off'}]: host {host:.1f} us per call (no sync), "
                   f"wall {wall:.1f} us per call", flush=True)
     _launch.FAST = True
-    _cprofile(*next(iter(_cases(device).items())), args, ("tottime",), "calls")
+    _cprofile(*cases[args.profile_case], args, ("tottime", "cumulative"), "calls")
 
 
 def _cprofile(name, fn, args, orders, what):

@@ -950,7 +950,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     else:
         o_part, lse_part = o, lse
     el = gl.bfloat16 if q_latent.dtype == torch.bfloat16 else gl.float16
-    plan.el = el
+    plan.el, plan.templates = el, None
 
     seq_lens = seq_lens.to(torch.int32).contiguous()
     bt = block_table.to(torch.int32) if paged else seq_lens  # a dummy pointer when contiguous (never read)
@@ -998,14 +998,24 @@ class _GluonPlan:
     ``triton_decode._Plan``): buffers, descriptors' boxes, the kernel and merge launches."""
 
     __slots__ = ("o_shape", "lse_shape", "dtype", "device", "rows", "part_numel", "lse_offset", "el", "decode",
-                 "combine")
+                 "combine", "templates", "copies")
 
     def descriptors(self, q_latent, q_rope, kv_latent, k_rope):
-        def desc(t, rows, cols):
-            return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, self.el))
+        """The four TMA descriptors. The first call builds them (TensorDescriptor.from_tensor checks the
+        layout); later calls copy those with the new tensors as base: the plan's key fixes the shapes,
+        strides and alignment that were checked, and the launcher reads only the base's data pointer."""
+        if self.templates is None:
+            def desc(t, rows, cols):
+                return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, self.el))
 
-        return (desc(_query_rows(q_latent, self.rows), 64, 256), desc(_query_rows(q_rope, self.rows), 64, 64),
-                desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64))
+            ql, qr = _query_rows(q_latent, self.rows), _query_rows(q_rope, self.rows)
+            self.copies = (ql.data_ptr() != q_latent.data_ptr(), qr.data_ptr() != q_rope.data_ptr())
+            self.templates = (desc(ql, 64, 256), desc(qr, 64, 64), desc(_rows(kv_latent), 64, 256),
+                              desc(_rows(k_rope), 64, 64))
+            return self.templates
+        ql = _query_rows(q_latent, self.rows) if self.copies[0] else q_latent  # else a view of the same memory
+        qr = _query_rows(q_rope, self.rows) if self.copies[1] else q_rope
+        return tuple(_rebased(t, base) for t, base in zip(self.templates, (ql, qr, kv_latent, k_rope)))
 
     def run(self, q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale):
         from .triton_decode import _alloc
@@ -1025,6 +1035,14 @@ class _GluonPlan:
         if self.combine is not None:
             self.combine(o_part, lse_part, o, lse, seq_lens)
         return o, lse
+
+
+def _rebased(template, base):
+    """A copy of the TensorDescriptor ``template`` over ``base`` (same layout; see _GluonPlan.descriptors)."""
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = base
+    return d
 
 
 # Plans by call key (see triton_decode._plans); only calls with the default schedule arguments are planned.
