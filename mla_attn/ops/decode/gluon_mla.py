@@ -1010,9 +1010,10 @@ class _GluonPlan:
 
             ql, qr = _query_rows(q_latent, self.rows), _query_rows(q_rope, self.rows)
             self.copies = (ql.data_ptr() != q_latent.data_ptr(), qr.data_ptr() != q_rope.data_ptr())
-            self.templates = (desc(ql, 64, 256), desc(qr, 64, 64), desc(_rows(kv_latent), 64, 256),
-                              desc(_rows(k_rope), 64, 64))
-            return self.templates
+            descs = (desc(ql, 64, 256), desc(qr, 64, 64), desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64))
+            # Kept without their tensors: a plan must not keep a freed KV cache alive.
+            self.templates = tuple(_rebased(d, None) for d in descs)
+            return descs
         ql = _query_rows(q_latent, self.rows) if self.copies[0] else q_latent  # else a view of the same memory
         qr = _query_rows(q_rope, self.rows) if self.copies[1] else q_rope
         return tuple(_rebased(t, base) for t, base in zip(self.templates, (ql, qr, kv_latent, k_rope)))
