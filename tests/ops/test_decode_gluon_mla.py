@@ -254,3 +254,23 @@ def test_gluon_mla_plan_replay(b, page, splits, monkeypatch):
         outs.append(o)
     assert len(gm._plans) == 1
     assert len({o.data_ptr() for o in outs}) == len(outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+def test_gluon_mla_plan_keeps_no_tensor_alive():
+    """The Gluon plan keeps its TMA descriptors' layouts, not their tensors: a freed cache is freed."""
+    import gc
+    import weakref
+
+    def make_and_run():
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(2, 128, 512, 64, 1, [300, 70], 64, BF16)
+        for _ in range(2):  # plan, then replay
+            gm.mla_decode_gluon(ql.squeeze(2), qr.squeeze(2), c, kr, seq_lens, table, 0.1, None)
+        torch.cuda.synchronize()
+        assert len(gm._plans) == 1
+        return [weakref.ref(t) for t in (ql, qr, c, kr, seq_lens, table)]
+
+    refs = make_and_run()
+    gc.collect()
+    assert all(r() is None for r in refs), "a launch plan kept an input tensor alive"

@@ -861,3 +861,17 @@ def test_fast_launch_equals_jit_launch_gpu(kind, monkeypatch):
     assert torch.equal(o_fast, o_jit) and torch.equal(lse_fast, lse_jit)
     ref_o, ref_lse = oracle()
     _check(o_fast, lse_fast, ref_o, ref_lse, base(), BF16)
+
+
+def test_plan_keeps_no_tensor_alive():
+    """A cached plan holds no tensor of the call that made it: a freed cache is really freed."""
+    import gc
+    import weakref
+
+    q, k, v, seq_lens, table = _gqa_inputs(2, 4, 2, 64, 64, 1, [40, 9], 16, F32)
+    td.gqa_decode(q, k, v, seq_lens, table, 0.125, 2)
+    assert len(td._plans) == 1
+    refs = [weakref.ref(t) for t in (q, k, v, seq_lens, table)]
+    del q, k, v, seq_lens, table
+    gc.collect()
+    assert all(r() is None for r in refs), "a launch plan kept an input tensor alive"
