@@ -102,3 +102,43 @@ def test_float64_goes_to_reference_under_auto_and_is_refused_by_triton():
     with pytest.raises(ValueError, match="impl='triton' runs fp16, bf16 and fp32"):
         attention(q, q, q, impl="triton")
     torch.testing.assert_close(attention(q, q, q), attention(q, q, q, impl="reference"))
+
+
+def test_checks_after_a_valid_call_with_the_same_signature():
+    """The ops skip checks a call signature (shapes, dtypes, devices, scalars) has passed; what is not part
+    of the signature is still checked every call: the values of CPU seq_lens, a bad num_splits."""
+    from mla_attn.ops.decode import api
+
+    q, k, v, sl = _gqa(n=16)
+    decode_attention(q, k, v, sl)
+    decode_attention(q, k, v, sl)  # the skip path
+    assert len(api._validated) == 1
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[0, 16\].*17"):
+        decode_attention(q, k, v, torch.tensor([3, 17], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[0, 16\]"):
+        decode_attention(q, k, v, torch.tensor([-1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention(q, k, v, sl, num_splits=[2])
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention(q, k, v, sl, num_splits=0)
+    with pytest.raises(ValueError, match="k_cache's head dim"):
+        decode_attention(q[..., :16], k, v, sl)
+    c = torch.randn(2, 8, 32)
+    ql, qr, kr = torch.randn(2, 4, 32), torch.randn(2, 4, 8), torch.randn(2, 8, 8)
+    sl8 = torch.tensor([8, 3], dtype=torch.int32)
+    mla_decode(ql, qr, c, kr, sl8, scale=0.1)
+    mla_decode(ql, qr, c, kr, sl8, scale=0.1)
+    with pytest.raises(ValueError, match="scale is required"):
+        mla_decode(ql, qr, c, kr, sl8, scale=None)
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[0, 8\].*9"):
+        mla_decode(ql, qr, c, kr, torch.tensor([9, 3], dtype=torch.int32), scale=0.1)
+    with pytest.raises(ValueError, match="q_rope and k_rope"):
+        mla_decode(ql, None, c, kr, sl8, scale=0.1)
+
+
+def test_skipped_checks_give_the_same_answer():
+    q, k, v, sl = _gqa(n=16)
+    first = decode_attention(q, k, v, sl, return_lse=True)
+    again = decode_attention(q, k, v, sl, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert decode_attention(q[:, :, None], k, v, sl).shape == (2, 8, 1, 32)  # 4-D q: its own signature

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._common import check_dim, check_float, check_same_device, check_same_dtype, resolve_impl
+from .._launch import PlanCache
 from .reference import decode_reference, merge_reference, mla_decode_reference
 
 
@@ -37,6 +38,35 @@ def _check_num_splits(num_splits) -> None:
 
 def _as_int32(t):
     return t if t is None or t.dtype == torch.int32 else t.to(torch.int32)
+
+
+# Call signatures that passed validation: (op, then per argument its shape, dtype and device, then the
+# scalar arguments) -> the checked call's implementation. Every check in the ops below is a function of
+# these alone, except the values of a CPU seq_lens, which are checked on every call. An eager decode step
+# at batch 1 is bound by its host path; the checks cost about as much as the rest of it. Bounded like the
+# launch plans (cleared when full).
+_validated = PlanCache()
+
+
+def _signature(op, tensors, scalars):
+    """The validation key of a call, or None when an argument is not a tensor (the checks then run and
+    say what is wrong)."""
+    if not all(x is None or type(x) in (int, bool, str, type, float) for x in scalars):
+        return None  # e.g. num_splits=[2]: the checks say what is wrong
+    sig = [op, *scalars]
+    for t in tensors:
+        if t is None:
+            sig.append(None)
+        elif isinstance(t, torch.Tensor):
+            sig.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _check_cpu_seq_lens(seq_lens, capacity_of):
+    if seq_lens.device.type == "cpu" and seq_lens.numel():
+        _check_seq_lens(seq_lens, seq_lens.shape[0], capacity_of())
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=None, num_splits=None,
@@ -73,6 +103,35 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
         >>> mla_attn.decode_attention(q, k, v, torch.tensor([16, 3], dtype=torch.int32)).shape
         torch.Size([2, 8, 64])
     """
+    sig = _signature("decode_attention", (q, k_cache, v_cache, seq_lens, block_table),
+                     (type(num_splits), num_splits, impl, scale is None))
+    which = _validated.get(sig) if sig is not None else None
+    if which is not None:
+        _check_cpu_seq_lens(seq_lens, lambda: k_cache.shape[2] if block_table is None
+                            else block_table.shape[1] * k_cache.shape[1])
+        squeeze = q.dim() == 3
+        q4 = q.unsqueeze(2) if squeeze else q
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+    else:
+        which, squeeze, q4, scale = _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale,
+                                                            num_splits, impl)
+        if sig is not None:
+            _validated.put(sig, which)
+    if which == "triton":
+        from .triton_decode import gqa_decode
+
+        o, lse = gqa_decode(q4, k_cache, v_cache, _as_int32(seq_lens), _as_int32(block_table), float(scale),
+                            num_splits)
+    else:
+        o, lse = decode_reference(q4, k_cache, v_cache, seq_lens, block_table, float(scale))
+    if squeeze:
+        o, lse = o.squeeze(2), lse.squeeze(2)
+    return (o, lse) if return_lse else o
+
+
+def _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, num_splits, impl):
+    """decode_attention's checks -> (implementation, squeeze, q as [B, Hq, S, D], scale)."""
     check_dim("q", q, (3, 4), "[B, Hq, D] or [B, Hq, S, D]")
     check_float("q", q)
     check_dim("k_cache", k_cache, (4,), "[B, Hkv, N, D] (contiguous) or [num_pages, P, Hkv, D] (paged)")
@@ -106,17 +165,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     _check_seq_lens(seq_lens, b, capacity)
     if scale is None:
         scale = d ** -0.5
-    which = resolve_impl(impl, q, k_cache, v_cache, op="decode_attention")
-    if which == "triton":
-        from .triton_decode import gqa_decode
-
-        o, lse = gqa_decode(q4, k_cache, v_cache, _as_int32(seq_lens), _as_int32(block_table), float(scale),
-                            num_splits)
-    else:
-        o, lse = decode_reference(q4, k_cache, v_cache, seq_lens, block_table, float(scale))
-    if squeeze:
-        o, lse = o.squeeze(2), lse.squeeze(2)
-    return (o, lse) if return_lse else o
+    return resolve_impl(impl, q, k_cache, v_cache, op="decode_attention"), squeeze, q4, scale
 
 
 def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_table=None, num_splits=None,
@@ -137,6 +186,34 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_ta
     Returns:
         latent output ``[B, H, (S,) Dc]`` in q_latent's dtype (+ lse float32).
     """
+    sig = _signature("mla_decode", (q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table),
+                     (type(num_splits), num_splits, impl, scale is None))
+    which = _validated.get(sig) if sig is not None else None
+    if which is not None:
+        _check_cpu_seq_lens(seq_lens, lambda: kv_latent.shape[1] if block_table is None
+                            else block_table.shape[1] * kv_latent.shape[1])
+        squeeze = q_latent.dim() == 3
+        ql = q_latent.unsqueeze(2) if squeeze else q_latent
+        qr = None if q_rope is None else (q_rope.unsqueeze(2) if squeeze else q_rope)
+    else:
+        which, squeeze, ql, qr = _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale,
+                                                   block_table, num_splits, impl)
+        if sig is not None:
+            _validated.put(sig, which)
+    if which == "triton":
+        from .triton_decode import mla_decode as mla_decode_triton
+
+        o, lse = mla_decode_triton(ql, qr, kv_latent, k_rope, _as_int32(seq_lens), _as_int32(block_table),
+                                   float(scale), num_splits)
+    else:
+        o, lse = mla_decode_reference(ql, qr, kv_latent, k_rope, seq_lens, block_table, float(scale))
+    if squeeze:
+        o, lse = o.squeeze(2), lse.squeeze(2)
+    return (o, lse) if return_lse else o
+
+
+def _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale, block_table, num_splits, impl):
+    """mla_decode's checks -> (implementation, squeeze, q_latent and q_rope as [B, H, S, .])."""
     check_dim("q_latent", q_latent, (3, 4), "[B, H, Dc] or [B, H, S, Dc]")
     check_float("q_latent", q_latent)
     if (q_rope is None) != (k_rope is None):
@@ -175,17 +252,7 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_ta
         _check_block_table(block_table, b)
         capacity = block_table.shape[1] * kv_latent.shape[1]
     _check_seq_lens(seq_lens, b, capacity)
-    which = resolve_impl(impl, q_latent, q_rope, kv_latent, k_rope, op="mla_decode")
-    if which == "triton":
-        from .triton_decode import mla_decode as mla_decode_triton
-
-        o, lse = mla_decode_triton(ql, qr, kv_latent, k_rope, _as_int32(seq_lens), _as_int32(block_table),
-                                   float(scale), num_splits)
-    else:
-        o, lse = mla_decode_reference(ql, qr, kv_latent, k_rope, seq_lens, block_table, float(scale))
-    if squeeze:
-        o, lse = o.squeeze(2), lse.squeeze(2)
-    return (o, lse) if return_lse else o
+    return resolve_impl(impl, q_latent, q_rope, kv_latent, k_rope, op="mla_decode"), squeeze, ql, qr
 
 
 def merge_attention_states(o_parts, lse_parts, *, impl="auto"):
