@@ -26,8 +26,8 @@
 #   ONLY=fused bash scripts/gpu_check.sh [OUTDIR]  the Triton decode's GPU tests, then the decode bench's GQA
 #     and MLA H = 16 rows with the fused merge on and off
 #   ONLY=launch bash scripts/gpu_check.sh [OUTDIR]  cached decode plans / binder-free launches: the decode GPU
-#     tests, eager decode host cost with them off and on, the decode bench's rows both ways
-#     (LAUNCH_BENCH="gqa mla" by default; "" skips the bench)
+#     tests, eager decode host cost with them off and on, the decode bench's host-bound rows both ways
+#     (LAUNCH_SHAPES, bench_decode --shapes; "" skips the bench)
 #   SKIP_EXPERIMENTAL=1: leave out the tests of the schedules nothing routes to (a short device budget)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/bench_attention.md, OUTDIR/bench_decode.md (+ .json), OUTDIR/demo.txt,
 # OUTDIR/env.txt. Needs no install: the package runs from the checkout (PYTHONPATH=.).
@@ -120,12 +120,13 @@ if [ "${ONLY:-}" = launch ]; then
   # replays among them), then the host cost of eager decode calls with them off and on, then the decode
   # bench's GQA rows (eager and graph columns).
   step "decode gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers -k 'not experimental' 2>&1 | tee '$out/gpu_launch_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
-  step "profile host side of eager decode" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 30 2>&1 | tee '$out/profile_launch_decode.txt'; exit \${PIPESTATUS[0]}"
-  step "profile host side of eager MLA decode (Gluon)" "$(lim 100)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 40 --cases 3,4 --profile-case 3 2>&1 | tee '$out/profile_launch_mla.txt'; exit \${PIPESTATUS[0]}"
-  for what in ${LAUNCH_BENCH:-gqa mla}; do
-    step "bench decode, $what rows, fast launch off" "$(lim 150)" env MLA_ATTN_FAST_LAUNCH=0 $PY scripts/bench_decode.py --graph --only $what --out "$out/bench_decode_${what}_slow.md"
-    step "bench decode, $what rows, fast launch on" "$(lim 150)" $PY scripts/bench_decode.py --graph --only $what --out "$out/bench_decode_${what}_fast.md"
-  done
+  step "profile host side of eager decode" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 40 --profile-case ${LAUNCH_PROFILE_CASE:-3} 2>&1 | tee '$out/profile_launch_decode.txt'; exit \${PIPESTATUS[0]}"
+  # The rows whose eager calls are host-bound (LAUNCH_SHAPES, bench_decode --shapes; "" skips the bench).
+  shapes=${LAUNCH_SHAPES-gqa1,gqa32,mla1x128,mla16x128,mla64x16}
+  if [ -n "$shapes" ]; then
+    step "bench decode, fast launch off" "$(lim 150)" env MLA_ATTN_FAST_LAUNCH=0 $PY scripts/bench_decode.py --graph --layers 0 --shapes "$shapes" --out "$out/bench_decode_launch_slow.md"
+    step "bench decode, fast launch on" "$(lim 150)" $PY scripts/bench_decode.py --graph --layers 0 --shapes "$shapes" --out "$out/bench_decode_launch_fast.md"
+  fi
   echo "gpu_check status: $status"
   exit $status
 fi
