@@ -118,7 +118,7 @@ fi
 if [ "${ONLY:-}" = launch ]; then
   # Cached decode plans and binder-free launches (mla_attn/ops/_launch.py): the decode GPU tests (CUDA-graph
   # replays among them), then the host cost of eager decode calls with them off and on, then the decode
-  # bench's GQA rows (eager and graph columns).
+  # bench's host-bound rows (eager and graph columns) both ways.
   step "decode gpu tests" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers -k 'not experimental' 2>&1 | tee '$out/gpu_launch_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "profile host side of eager decode" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 40 --profile-case ${LAUNCH_PROFILE_CASE:-3} 2>&1 | tee '$out/profile_launch_decode.txt'; exit \${PIPESTATUS[0]}"
   # The rows whose eager calls are host-bound (LAUNCH_SHAPES, bench_decode --shapes; "" skips the bench).
