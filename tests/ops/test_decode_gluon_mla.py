@@ -219,13 +219,15 @@ def test_round_splits_to_whole_combine_rounds():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("rebase", [False, True], ids=["fresh-descriptors", "rebased-descriptors"])
 @pytest.mark.parametrize("b,page,splits", [(1, None, None), (4, 64, 3), (3, 1, None)], ids=lambda x: str(x))
-def test_gluon_mla_plan_replay(b, page, splits, monkeypatch):
+def test_gluon_mla_plan_replay(b, page, splits, rebase, monkeypatch):
     """Cached plans (mla_attn/ops/_launch.py) over the Gluon kernel: a replay without Triton's binder is
     bit-identical to a launch through the JIT, and later calls with new queries and new lengths (0
     included) over the same NaN-poisoned cache match the oracle, each with fresh outputs."""
     from mla_attn.ops import _launch
 
+    monkeypatch.setattr(gm, "REBASE_DESCRIPTORS", rebase)
     lens = [3000, 1, 0, 777][:b] if b > 1 else [4000]
     ql, qr, c, kr, seq_lens, table = _mla_inputs(b, 128, 512, 64, 1, lens, page, BF16, seed=b)
     ql, qr = ql.squeeze(2), qr.squeeze(2)
@@ -258,10 +260,13 @@ def test_gluon_mla_plan_replay(b, page, splits, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
-def test_gluon_mla_plan_keeps_no_tensor_alive():
+@pytest.mark.parametrize("rebase", [False, True], ids=["fresh-descriptors", "rebased-descriptors"])
+def test_gluon_mla_plan_keeps_no_tensor_alive(rebase, monkeypatch):
     """The Gluon plan keeps its TMA descriptors' layouts, not their tensors: a freed cache is freed."""
     import gc
     import weakref
+
+    monkeypatch.setattr(gm, "REBASE_DESCRIPTORS", rebase)
 
     def make_and_run():
         ql, qr, c, kr, seq_lens, table = _mla_inputs(2, 128, 512, 64, 1, [300, 70], 64, BF16)

@@ -1001,18 +1001,19 @@ class _GluonPlan:
                  "combine", "templates", "copies")
 
     def descriptors(self, q_latent, q_rope, kv_latent, k_rope):
-        """The four TMA descriptors. The first call builds them (TensorDescriptor.from_tensor checks the
-        layout); later calls copy those with the new tensors as base: the plan's key fixes the shapes,
-        strides and alignment that were checked, and the launcher reads only the base's data pointer."""
-        if self.templates is None:
+        """The four TMA descriptors, built by TensorDescriptor.from_tensor (which checks the layout). With
+        ``REBASE_DESCRIPTORS`` later calls copy the first call's instead, with the new tensors as base: the
+        plan's key fixes the shapes, strides and alignment that were checked, and the launcher reads only
+        the base's data pointer."""
+        if self.templates is None or not REBASE_DESCRIPTORS:
             def desc(t, rows, cols):
                 return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(rows, cols, self.el))
 
             ql, qr = _query_rows(q_latent, self.rows), _query_rows(q_rope, self.rows)
             self.copies = (ql.data_ptr() != q_latent.data_ptr(), qr.data_ptr() != q_rope.data_ptr())
             descs = (desc(ql, 64, 256), desc(qr, 64, 64), desc(_rows(kv_latent), 64, 256), desc(_rows(k_rope), 64, 64))
-            # Kept without their tensors: a plan must not keep a freed KV cache alive.
-            self.templates = tuple(_rebased(d, None) for d in descs)
+            if self.templates is None:  # kept without their tensors: a plan must not keep a freed KV cache alive
+                self.templates = tuple(_rebased(d, None) for d in descs)
             return descs
         ql = _query_rows(q_latent, self.rows) if self.copies[0] else q_latent  # else a view of the same memory
         qr = _query_rows(q_rope, self.rows) if self.copies[1] else q_rope
@@ -1036,6 +1037,13 @@ class _GluonPlan:
         if self.combine is not None:
             self.combine(o_part, lse_part, o, lse, seq_lens)
         return o, lse
+
+
+# Replays copy the first call's TMA descriptors instead of building new ones (_GluonPlan.descriptors).
+# NOT YET GPU-VERIFIED (written in session 25, when no GPU call got through after 136c795), so off:
+# test_gluon_mla_plan_replay runs it both ways on a Hopper GPU; turn it on once that passes and
+# profile_launch.py shows the gain. MLA_ATTN_GLUON_MLA_REBASE=1 turns it on.
+REBASE_DESCRIPTORS = os.environ.get("MLA_ATTN_GLUON_MLA_REBASE", "0") == "1"
 
 
 def _rebased(template, base):
