@@ -64,9 +64,19 @@ def _signature(op, tensors, scalars):
     return tuple(sig)
 
 
-def _check_cpu_seq_lens(seq_lens, capacity_of):
-    if seq_lens.device.type == "cpu" and seq_lens.numel():
+def _validate(op, tensors, scalars, check, seq_lens, capacity_of):
+    """``check()`` (the op's checks, returning its implementation) unless this call signature has passed
+    them; the values of a CPU ``seq_lens`` are checked either way (``capacity_of()``: the cache's tokens)."""
+    num_splits, impl, scale = scalars
+    sig = _signature(op, tensors, (type(num_splits), num_splits, impl, scale is None))
+    which = _validated.get(sig) if sig is not None else None
+    if which is None:
+        which = check()
+        if sig is not None:
+            _validated.put(sig, which)
+    elif seq_lens.device.type == "cpu" and seq_lens.numel():
         _check_seq_lens(seq_lens, seq_lens.shape[0], capacity_of())
+    return which
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=None, num_splits=None,
@@ -103,21 +113,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
         >>> mla_attn.decode_attention(q, k, v, torch.tensor([16, 3], dtype=torch.int32)).shape
         torch.Size([2, 8, 64])
     """
-    sig = _signature("decode_attention", (q, k_cache, v_cache, seq_lens, block_table),
-                     (type(num_splits), num_splits, impl, scale is None))
-    which = _validated.get(sig) if sig is not None else None
-    if which is not None:
-        _check_cpu_seq_lens(seq_lens, lambda: k_cache.shape[2] if block_table is None
-                            else block_table.shape[1] * k_cache.shape[1])
-        squeeze = q.dim() == 3
-        q4 = q.unsqueeze(2) if squeeze else q
-        if scale is None:
-            scale = q.shape[-1] ** -0.5
-    else:
-        which, squeeze, q4, scale = _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale,
-                                                            num_splits, impl)
-        if sig is not None:
-            _validated.put(sig, which)
+    which = _validate("decode_attention", (q, k_cache, v_cache, seq_lens, block_table), (num_splits, impl, scale),
+                      lambda: _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, num_splits, impl),
+                      seq_lens, lambda: k_cache.shape[2] if block_table is None
+                      else block_table.shape[1] * k_cache.shape[1])
+    squeeze = q.dim() == 3
+    q4 = q.unsqueeze(2) if squeeze else q
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
     if which == "triton":
         from .triton_decode import gqa_decode
 
@@ -130,8 +133,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     return (o, lse) if return_lse else o
 
 
-def _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, num_splits, impl):
-    """decode_attention's checks -> (implementation, squeeze, q as [B, Hq, S, D], scale)."""
+def _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, num_splits, impl):
+    """decode_attention's checks -> the implementation that runs it."""
     check_dim("q", q, (3, 4), "[B, Hq, D] or [B, Hq, S, D]")
     check_float("q", q)
     check_dim("k_cache", k_cache, (4,), "[B, Hkv, N, D] (contiguous) or [num_pages, P, Hkv, D] (paged)")
@@ -139,9 +142,7 @@ def _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, n
     check_same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
     check_same_device("q", q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table)
     _check_num_splits(num_splits)
-    squeeze = q.dim() == 3
-    q4 = q.unsqueeze(2) if squeeze else q
-    b, hq, _, d = q4.shape
+    b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
     if block_table is None:
         if k_cache.shape[0] != b:
             raise ValueError(f"contiguous k_cache must be [B, Hkv, N, D] with B = {b}, got {tuple(k_cache.shape)}")
@@ -163,9 +164,7 @@ def _check_decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, n
         raise ValueError(f"q's heads (Hq={hq}) must be a multiple of the cache's KV heads (Hkv={hkv}): "
                          f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     _check_seq_lens(seq_lens, b, capacity)
-    if scale is None:
-        scale = d ** -0.5
-    return resolve_impl(impl, q, k_cache, v_cache, op="decode_attention"), squeeze, q4, scale
+    return resolve_impl(impl, q, k_cache, v_cache, op="decode_attention")
 
 
 def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_table=None, num_splits=None,
@@ -186,20 +185,15 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_ta
     Returns:
         latent output ``[B, H, (S,) Dc]`` in q_latent's dtype (+ lse float32).
     """
-    sig = _signature("mla_decode", (q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table),
-                     (type(num_splits), num_splits, impl, scale is None))
-    which = _validated.get(sig) if sig is not None else None
-    if which is not None:
-        _check_cpu_seq_lens(seq_lens, lambda: kv_latent.shape[1] if block_table is None
-                            else block_table.shape[1] * kv_latent.shape[1])
-        squeeze = q_latent.dim() == 3
-        ql = q_latent.unsqueeze(2) if squeeze else q_latent
-        qr = None if q_rope is None else (q_rope.unsqueeze(2) if squeeze else q_rope)
-    else:
-        which, squeeze, ql, qr = _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale,
-                                                   block_table, num_splits, impl)
-        if sig is not None:
-            _validated.put(sig, which)
+    which = _validate("mla_decode", (q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table),
+                      (num_splits, impl, scale),
+                      lambda: _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale, block_table,
+                                                num_splits, impl),
+                      seq_lens, lambda: kv_latent.shape[1] if block_table is None
+                      else block_table.shape[1] * kv_latent.shape[1])
+    squeeze = q_latent.dim() == 3
+    ql = q_latent.unsqueeze(2) if squeeze else q_latent
+    qr = None if q_rope is None else (q_rope.unsqueeze(2) if squeeze else q_rope)
     if which == "triton":
         from .triton_decode import mla_decode as mla_decode_triton
 
@@ -213,7 +207,7 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, *, scale, block_ta
 
 
 def _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale, block_table, num_splits, impl):
-    """mla_decode's checks -> (implementation, squeeze, q_latent and q_rope as [B, H, S, .])."""
+    """mla_decode's checks -> the implementation that runs it."""
     check_dim("q_latent", q_latent, (3, 4), "[B, H, Dc] or [B, H, S, Dc]")
     check_float("q_latent", q_latent)
     if (q_rope is None) != (k_rope is None):
@@ -229,15 +223,11 @@ def _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale, bloc
         raise ValueError("scale is required for mla_decode (DeepSeek: (qk_nope_head_dim + qk_rope_head_dim)**-0.5 "
                          "times the YaRN mscale**2)")
     _check_num_splits(num_splits)
-    squeeze = q_latent.dim() == 3
-    ql = q_latent.unsqueeze(2) if squeeze else q_latent
-    b, h, s, dc = ql.shape
-    qr = None
+    b, dc = q_latent.shape[0], q_latent.shape[-1]
     if q_rope is not None:
         if q_rope.dim() != q_latent.dim() or q_rope.shape[:-1] != q_latent.shape[:-1]:
             raise ValueError(f"q_rope must match q_latent's leading dims: q_latent {tuple(q_latent.shape)}, "
                              f"q_rope {tuple(q_rope.shape)}")
-        qr = q_rope.unsqueeze(2) if squeeze else q_rope
         if k_rope.dim() != 3 or k_rope.shape[:2] != kv_latent.shape[:2] or k_rope.shape[-1] != q_rope.shape[-1]:
             raise ValueError(f"k_rope must be {tuple(kv_latent.shape[:2]) + (q_rope.shape[-1],)} to match kv_latent "
                              f"{tuple(kv_latent.shape)} and q_rope {tuple(q_rope.shape)}, got {tuple(k_rope.shape)}")
@@ -252,7 +242,7 @@ def _check_mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, scale, bloc
         _check_block_table(block_table, b)
         capacity = block_table.shape[1] * kv_latent.shape[1]
     _check_seq_lens(seq_lens, b, capacity)
-    return resolve_impl(impl, q_latent, q_rope, kv_latent, k_rope, op="mla_decode"), squeeze, ql, qr
+    return resolve_impl(impl, q_latent, q_rope, kv_latent, k_rope, op="mla_decode")
 
 
 def merge_attention_states(o_parts, lse_parts, *, impl="auto"):
