@@ -11,8 +11,9 @@ That is only right while every later call would have compiled to the same kernel
 :class:`Launch` must key it on everything Triton specialises on: the integer arguments' values, the
 dtypes, and each pointer's 16-byte alignment (:func:`tensor_key` gives the per-tensor part).
 
-The binder is skipped only on CUDA (the interpreter has no compiled kernel). ``MLA_ATTN_FAST_LAUNCH=0``
-turns both the skip and the decode launchers' plan cache off: every call then decides and binds anew.
+The binder is skipped only on CUDA (the interpreter has no compiled kernel) and never while torch.compile
+traces. ``MLA_ATTN_FAST_LAUNCH=0`` turns both the skip and the decode launchers' plan cache off: every call
+then decides and binds anew.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from ._common import triton_interpreting
 
 FAST = os.environ.get("MLA_ATTN_FAST_LAUNCH", "1") != "0"
 MAX_PLANS = 512  # per cache: a serving loop sees a handful of shapes; a sweep must not grow without bound
+
+
+def enabled() -> bool:
+    """Whether launchers should use plans now: FAST, and not while torch.compile traces (Dynamo captures a
+    ``kernel[grid](...)`` launch as a Triton kernel in its graph; a compiled kernel's runner it cannot)."""
+    return FAST and not torch.compiler.is_compiling()
 
 
 class Slot:
@@ -69,7 +76,7 @@ class Launch:
             return
         args, kwargs = self._fill(values)
         compiled = self.fn[self.grid](*args, **kwargs, **self.options)
-        if FAST and not triton_interpreting():
+        if not triton_interpreting() and enabled():
             self._keep(compiled)
 
     def _keep(self, compiled) -> None:

@@ -875,3 +875,13 @@ def test_plan_keeps_no_tensor_alive():
     del q, k, v, seq_lens, table
     gc.collect()
     assert all(r() is None for r in refs), "a launch plan kept an input tensor alive"
+
+
+def test_no_plans_while_torch_compile_traces(monkeypatch):
+    """While Dynamo traces, launches go through kernel[grid](...) (which it captures) and nothing is cached."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q, k, v, seq_lens, _ = _gqa_inputs(2, 4, 2, 64, 64, 1, [40, 9], None, F32)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, None, 0.125, 2)
+    assert len(td._plans) == 0
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, scale=0.125)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, None, 0.125), F32)

@@ -918,7 +918,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
     defaults = (stages == 2 and consumer_regs == 232 and maxnreg == 168 and s_once is None and trace is None
                 and pv_first is None and dedicated is None)
     key = None
-    if defaults and fast.FAST:
+    if defaults and fast.enabled():
         key = (tensor_key(q_latent), tensor_key(q_rope), tensor_key(kv_latent), tensor_key(k_rope),
                tensor_key(seq_lens), tensor_key(block_table), num_splits, S_ONCE, PV_FIRST, DEDICATED, SMALL_PAGES,
                SMALL_HEADS)

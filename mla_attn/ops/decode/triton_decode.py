@@ -535,7 +535,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         q2 = k2 = None
     seq_lens = seq_lens.contiguous()  # the kernel reads SEQ_LENS + b: a strided view must not reach it
     key = None
-    if config is None and _fast.FAST:
+    if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
                d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE)
