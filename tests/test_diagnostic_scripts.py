@@ -197,3 +197,23 @@ def test_flash_block_timeline_analysis():
     x[3, 6] = 0
     with pytest.raises(ValueError, match="program 3"):
         tfb.analyse(x, n_mb, tiles_of)
+
+
+def test_bench_decode_back_to_back_column(monkeypatch):
+    """bench_decode's 'eager back to back' column: wall time per call over calls issued in a row (the host
+    included), and the markdown row carries it in the header's last column."""
+    import time
+
+    import bench_decode
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    per_call = bench_decode._bench_b2b(lambda: (calls.append(1), time.sleep(0.002)), calls=20)
+    assert len(calls) == 30  # 10 warm-up calls, then the 20 timed
+    assert 0.002 <= per_call < 0.02
+    row = dict(op="gqa", impl="triton", B=1, H="32/8", L=1024, us=10.0, gbs=1.0, tflops=1.0, graph_us=9.0,
+               graph_gbs=1.0, layers_us=None, layers_gbs=None, b2b_us=12.5)
+    cells = bench_decode._row_md(row).strip("|").split("|")
+    header = bench_decode.HEADER.splitlines()[0].strip("|").split("|")
+    assert len(cells) == len(header) and header[-1].strip() == "eager back to back (us)"
+    assert cells[-1].strip() == "12.5"
