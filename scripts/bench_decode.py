@@ -41,14 +41,9 @@ def _bench_b2b(fn, calls=200):
     a loop of eager decode steps sees, host time included. (``do_bench`` zeroes a 256 MB buffer before
     each call, and the host prepares the next call while that runs, so its eager time hides host work up
     to the flush's length.)"""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls
+    from profile_launch import _host_and_wall_us  # scripts/ is on sys.path when this file runs as a script
+
+    return _host_and_wall_us(fn, calls, 10)[1] * 1e-6
 
 
 def capture_graph(fn):
