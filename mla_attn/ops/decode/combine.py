@@ -176,7 +176,7 @@ def _combine_tiles(parts: int, rows: int, dv: int, target_programs: int = _TARGE
     return block_r, block_dv, chunk, warps
 
 
-def _launch(o_parts3, lse_parts2, o2, lse1, seq_lens_slot: int = 3):
+def _launch(o_parts3, lse_parts2, o2, lse1):
     """o_parts3 [K, R, Dv], lse_parts2 [K, R] float32 -> writes o2 [R, Dv], lse1 [R].
 
     Returns the :class:`Launch` it ran (None when there is nothing to merge). Its per-call values are
@@ -197,7 +197,7 @@ def _launch(o_parts3, lse_parts2, o2, lse1, seq_lens_slot: int = 3):
         (Slot(0), Slot(1), Slot(2), Slot(3), k, r,
          *o_parts3.stride(), *lse_parts2.stride(), *o2.stride(), *lse1.stride()),
         dict(DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, CHUNK=chunk,
-             SEQ_LENS=Slot(seq_lens_slot), batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused
+             SEQ_LENS=Slot(3), batch=1, rows_per_seq=1, tile_n=1, BALANCED=False, MAX_B=1,  # unused
              **({"PDL": True} if pdl else {})),
         dict(num_warps=warps, **({"launch_pdl": True} if pdl else {})),
     )

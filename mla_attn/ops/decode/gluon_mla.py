@@ -79,7 +79,9 @@ import os
 
 import torch
 
+from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
+from .triton_decode import plan_buffers
 
 try:
     from triton.experimental import gluon
@@ -911,14 +913,13 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
         raise ValueError(f"mla_decode_gluon: unsupported inputs q_latent {tuple(q_latent.shape)} {q_latent.dtype}, "
                          f"kv_latent {tuple(kv_latent.shape)} {kv_latent.dtype}, "
                          f"k_rope {None if k_rope is None else tuple(k_rope.shape)}")
-    from .. import _launch as fast
     from .combine import combine_splits
     from .triton_decode import _alloc, _num_sms, choose_num_splits
 
     defaults = (stages == 2 and consumer_regs == 232 and maxnreg == 168 and s_once is None and trace is None
                 and pv_first is None and dedicated is None)
     key = None
-    if defaults and fast.enabled():
+    if defaults and _fast.enabled():
         key = (tensor_key(q_latent), tensor_key(q_rope), tensor_key(kv_latent), tensor_key(k_rope),
                tensor_key(seq_lens), tensor_key(block_table), num_splits, S_ONCE, PV_FIRST, DEDICATED, SMALL_PAGES,
                SMALL_HEADS)
@@ -1020,15 +1021,7 @@ class _GluonPlan:
         return tuple(_rebased(t, base) for t, base in zip(self.templates, (ql, qr, kv_latent, k_rope)))
 
     def run(self, q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale):
-        from .triton_decode import _alloc
-
-        o = _alloc(self.o_shape, dtype=self.dtype, device=self.device)
-        lse = _alloc(self.lse_shape, dtype=torch.float32, device=self.device)
-        if self.part_numel:
-            o_part = _alloc((self.part_numel,), dtype=torch.float32, device=self.device)
-            lse_part = o_part[self.lse_offset:]
-        else:
-            o_part, lse_part = o, lse
+        o, lse, o_part, lse_part = plan_buffers(self)
         if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
             seq_lens = seq_lens.to(torch.int32).contiguous()
         bt = seq_lens if block_table is None else block_table.to(torch.int32)

@@ -499,6 +499,19 @@ def _ticket_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def plan_buffers(plan):
+    """Fresh ``(o, lse, o_part, lse_part)`` for a replayed plan (this module's or gluon_mla's): outputs of
+    ``plan.o_shape`` / ``plan.lse_shape``, and partials in one fp32 buffer of ``plan.part_numel`` whose lse
+    part starts at ``plan.lse_offset`` (none when part_numel is 0: the outputs themselves). The kernels and
+    the merge read only data pointers, so no views are built."""
+    o = _alloc(plan.o_shape, dtype=plan.dtype, device=plan.device)
+    lse = _alloc(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    if not plan.part_numel:
+        return o, lse, o, lse
+    part = _alloc((plan.part_numel,), dtype=torch.float32, device=plan.device)
+    return o, lse, part, part[plan.lse_offset:]
+
+
 class _Plan:
     """A decode call's host decisions for one key (:func:`_launch`): output and partial buffer sizes and
     the kernel launches, replayed by later calls with the same shapes, strides, dtypes and alignments."""
@@ -507,13 +520,7 @@ class _Plan:
                  "combine")
 
     def run(self, q1, q2, k1, k2, v, seq_lens, block_table, scale):
-        o = _alloc(self.o_shape, dtype=self.dtype, device=self.device)
-        lse = _alloc(self.lse_shape, dtype=torch.float32, device=self.device)
-        if self.part_numel:  # the kernel and the merge read only data pointers: no views to build
-            o_part = _alloc((self.part_numel,), dtype=torch.float32, device=self.device)
-            lse_part = o_part[self.lse_offset:]
-        else:
-            o_part, lse_part = o, lse
+        o, lse, o_part, lse_part = plan_buffers(self)
         tickets = _ticket_counters(self.device) if self.fused else seq_lens
         self.decode(q1, q1 if q2 is None else q2, k1, k1 if k2 is None else k2, k1 if v is None else v, seq_lens,
                     seq_lens if block_table is None else block_table, o_part, lse_part, o, lse, tickets,
