@@ -32,14 +32,15 @@ def _seed(request):
 
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans():
-    # Decode calls replay cached host plans (mla_attn/ops/_launch.py) and skip checks a call signature has
+    # Decode calls and the Gluon training launchers replay cached host plans (mla_attn/ops/_launch.py) and skip checks a call signature has
     # passed (decode/api.py); a test that patches a host function (split count, tiles, SM count) or the
     # environment must see its patch, so every test starts and ends with neither.
     import sys
 
     def clear():
         for name, attr in (("mla_attn.ops.decode.triton_decode", "_plans"), ("mla_attn.ops.decode.gluon_mla", "_plans"),
-                           ("mla_attn.ops.decode.api", "_validated")):
+                           ("mla_attn.ops.decode.api", "_validated"), ("mla_attn.ops.attention.gluon_fwd", "_plans"),
+                           ("mla_attn.ops.attention.gluon_bwd", "_plans")):
             cache = getattr(sys.modules.get(name), attr, None)
             if cache is not None:
                 cache.clear()

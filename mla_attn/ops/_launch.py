@@ -106,6 +106,17 @@ class Launch:
         self.full, self.slots, self.runner = full, tuple(slots), runner
 
 
+def rebased(template, base):
+    """A copy of the TensorDescriptor ``template`` over the tensor ``base``: same shape, strides, block and
+    layout, checked when the template was built by ``from_tensor``; a launch reads only the base's data
+    pointer from it. ``rebased(d, None)`` makes a template that keeps no tensor alive. The owner's key must
+    fix everything but the pointer (:func:`tensor_key`: shape, strides, dtype, 16-byte alignment)."""
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = base
+    return d
+
+
 class PlanCache(dict):
     """A bounded dict of launch plans: cleared when full (plans are cheap to rebuild)."""
 

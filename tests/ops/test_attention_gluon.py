@@ -474,3 +474,143 @@ def test_token_major_through_the_op(case, monkeypatch):
     for name, got, want, base in zip(("dq", "dk", "dv"), leaves, ref_leaves, base_leaves):
         assert torch.isfinite(got.grad).all(), name
         assert_close(got.grad, want.grad, floor=5 * floor, baseline=base.grad, name=name)
+
+
+# --- Launch plans of the Gluon training launchers (gluon_fwd.DescPlan) -------------------------------------------
+
+PLAN_CASES = [  # (B, Hq, Hkv, M, N, Dqk, Dv, causal), token-major, a strided q (copied for TMA by every call)
+    ((2, 8, 2, 300, 333, 128, 128, True), False, False),   # persistent, head pairs, TMA store
+    ((2, 8, 2, 300, 333, 128, 128, True), True, False),    # the same read in place as [B, L, H, D]
+    ((1, 4, 4, 257, 511, 192, 128, False), False, False),  # 128 + 64 split, grid schedule
+    ((1, 3, 1, 113, 203, 64, 64, True), False, True),      # q a non-contiguous view
+]
+
+
+def _plan_inputs(case, token_major, strided, seed):
+    q, k, v, gen = _seeded_qkv(case, token_major, seed)
+    if strided:  # every other row of a longer q: strides TMA cannot take, so the launcher copies it
+        b, hq, _, m, _, dqk, _, _ = case
+        q = torch.randn(b, hq, 2 * m, dqk, generator=gen).to("cuda", torch.bfloat16)[:, :, ::2]
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, token_major, strided", PLAN_CASES, ids=lambda x: x if isinstance(x, bool) else
+                         "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_training_plan_replay(case, token_major, strided, monkeypatch):
+    """The forward's and the dK/dV pass's cached plans: a replay (rebased descriptors, no binder) is bit for bit a
+    launch through the JIT with fresh descriptors, on new inputs of the same layout, into NaN-poisoned outputs;
+    each call gets fresh outputs, and one plan a launcher is kept."""
+    from mla_attn.ops import _launch
+
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    scale = dqk ** -0.5
+    _poison_outputs(monkeypatch)
+    inputs = [_plan_inputs(case, token_major, strided, seed) for seed in (21, 22, 23)]
+
+    def fwd_bwd(q, k, v):
+        o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=token_major)
+        do = torch.randn_like(o)
+        delta = (o.float() * do.float()).sum(-1)
+        dk = torch.full((b, hkv, n, dqk), float("nan"), device="cuda", dtype=q.dtype)
+        dv_ = torch.full((b, hkv, n, dv), float("nan"), device="cuda", dtype=q.dtype)
+        # the backward's inputs as its router passes them: q, k, v as given, do in the same layout
+        do_in = do.transpose(1, 2).contiguous().transpose(1, 2) if token_major else do
+        gluon_bwd.dkdv_gluon(q, k, v, do_in, lse, delta, dk, dv_, causal=causal, scale=scale,
+                             token_major=token_major)
+        return o, lse, dk, dv_
+
+    monkeypatch.setattr(_launch, "FAST", False)
+    torch.manual_seed(5)
+    expect = [fwd_bwd(*x) for x in inputs]
+    assert not gluon_fwd._plans and not gluon_bwd._plans
+    monkeypatch.setattr(_launch, "FAST", True)
+    torch.manual_seed(5)
+    got = [fwd_bwd(*x) for x in inputs]
+    torch.cuda.synchronize()
+    assert len(gluon_fwd._plans) == 1 and len(gluon_bwd._plans) == 1
+    for plan in (*gluon_fwd._plans.values(), *gluon_bwd._plans.values()):
+        assert plan.launch.runner is not None, "the replay went through the JIT"
+        assert plan.copies == ((True, False, False) if strided else (False, False, False)) + (() if len(
+            plan.copies) == 3 else (False,))
+    for e, g in zip(expect, got):
+        for a, b_ in zip(e, g):
+            assert not torch.isnan(b_).any()  # every poisoned element written
+            assert torch.equal(a, b_)
+    assert len({g[0].data_ptr() for g in got}) == len(got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+def test_gluon_training_plans_keep_no_tensor_alive():
+    """The plans keep descriptor templates, not the first call's tensors: the inputs of a planned call are freed."""
+    import gc
+    import weakref
+
+    case = (1, 4, 2, 200, 200, 128, 128, True)
+
+    def make_and_run():
+        q, k, v, _ = _seeded_qkv(case, False, 3)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        from mla_attn.ops.attention.function import flash_attention
+
+        for _ in range(2):  # plan, then replay
+            o, _ = flash_attention(*leaves, True, 0.1)
+            o.sum().backward()
+        torch.cuda.synchronize()
+        assert len(gluon_fwd._plans) == 1 and len(gluon_bwd._plans) == 1
+        return [weakref.ref(t) for t in (q, k, v, *leaves, o)]
+
+    refs = make_and_run()
+    gc.collect()
+    assert all(r() is None for r in refs), "a launch plan kept a tensor alive"
+
+
+@pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+def test_desc_plan_rebases_like_fresh_descriptors():
+    """CPU: a DescPlan's replayed descriptors have the layout a fresh ``from_tensor`` gives on the new tensors
+    and their data pointers; an input the first call had to copy for TMA is copied again (its values, not its
+    strided storage); the templates keep no tensor alive."""
+    import gc
+    import weakref
+
+    from mla_attn.ops._launch import Slot
+
+    el = gluon_fwd.gl.bfloat16
+
+    def tensors():
+        q = torch.randn(2, 3, 40, 64).to(torch.bfloat16)                           # contiguous
+        k = torch.randn(2, 30, 3, 64).to(torch.bfloat16).transpose(1, 2)           # token-major
+        v = torch.randn(2, 3, 60, 32).to(torch.bfloat16)[:, :, ::2]                # strided: copied
+        o = torch.empty(2, 3, 40, 32, dtype=torch.bfloat16)
+        return q, k, v, o
+
+    first = tensors()
+    views = [gluon_fwd._tma_view(t, True)[0] for t in first[:3]] + [first[3].view(-1, 32)]
+    plan = gluon_fwd.DescPlan(True, first[:3], views, el)
+    slots = [plan.desc(0, 64, 64), plan.slot("x"), plan.desc(1, 32, 64), plan.desc(2, 32, 32), plan.desc(3, 64, 32)]
+    assert [s.index for s in slots] == [0, 1, 2, 3, 4] and isinstance(slots[0], Slot)
+    assert plan.copies == (False, False, True)
+    assert plan.values(first, {"x": 7})[1] == 7
+    plan.done()
+    refs = [weakref.ref(t) for t in first + tuple(views)]
+    del first, views
+    gc.collect()
+    assert all(r() is None for r in refs), "a template kept a tensor alive"
+
+    new = tensors()
+    got = plan.values(new, {"x": 9})
+    assert got[1] == 9
+    fresh_bases = [gluon_fwd._tma_view(t, True)[0] for t in new[:3]] + [new[3].view(-1, 32)]
+    boxes = [(64, 64), None, (32, 64), (32, 32), (64, 32)]
+    for i, src in ((0, 0), (2, 1), (3, 2), (4, 3)):
+        fresh = gluon_fwd._desc(fresh_bases[src], *boxes[i], el)
+        d = got[i]
+        assert (list(d.shape), list(d.strides), list(d.block_shape), d.layout) == \
+               (list(fresh.shape), list(fresh.strides), list(fresh.block_shape), fresh.layout)
+        if src == 2:  # recopied: a new contiguous tensor with v's values
+            assert d.base.data_ptr() != new[2].data_ptr() and d.base.is_contiguous()
+            assert torch.equal(d.base.view(2, 3, 30, 32), new[2])
+        else:
+            assert d.base.data_ptr() == fresh_bases[src].data_ptr()

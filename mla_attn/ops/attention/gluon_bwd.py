@@ -48,7 +48,9 @@ import os
 import torch
 
 from .._common import is_hopper
-from .gluon_fwd import _SMEM_BYTES, _desc, _split_head_dim, _tma_ready, _tma_view
+from .. import _launch as _fast
+from .._launch import Launch, PlanCache, tensor_key
+from .gluon_fwd import _SMEM_BYTES, DescPlan, _desc, _split_head_dim, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -486,7 +488,16 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
-    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``."""
+    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``. Calls with the
+    default tiles replay a plan kept per call key (``gluon_fwd.DescPlan``)."""
+    key = None
+    if _fast.enabled() and (block_m, block_n, stages, num_warps) == (None, 128, None, 8):
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
+               tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES)
+        plan = _plans.get(key)
+        if plan is not None:
+            plan.launch(*plan.values((q, do, k, v, dk, dv), _dkdv_named(lse, delta, dk, dv, scale)))
+            return dk, dv
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
     block_m = _tiles(d_qk)[0] if block_m is None else block_m
@@ -497,32 +508,41 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     views = [_tma_view(t, token_major) for t in (q, do, k, v)]
     (q2, *_), (do2, *_), (k2, *_), (v2, *_) = views
     lay = [x for vw in views for x in vw[1:]]  # (RB, RH, CH) of q, do, k, v
-
-    def desc(t, rows, cols):
-        return _desc(t, rows, cols, el)
-
-    q_desc, do_desc = desc(q2, block_m, d0), desc(do2, block_m, d_v)
-    k_desc, v_desc = desc(k2, block_n, d0), desc(v2, block_n, d_v)
-    q1_desc, k1_desc = (desc(q2, block_m, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
+    # Descriptor sources: 0 q, 1 do, 2 k, 3 v, then dk and dv seen as [B * HK * N, D] (same data pointers).
+    plan = DescPlan(token_major, (q, do, k, v), (q2, do2, k2, v2, dk.view(b * hk * n, d_qk), dv.view(b * hk * n, d_v)),
+                    el)
+    desc = plan.desc
+    q_desc, do_desc = desc(0, block_m, d0), desc(1, block_m, d_v)
+    k_desc, v_desc = desc(2, block_n, d0), desc(3, block_n, d_v)
+    q1_desc, k1_desc = (desc(0, block_m, d1), desc(2, block_n, d1)) if d1 else (q_desc, k_desc)
     grid = ((n + block_n - 1) // block_n, b * hk)
     # Shared memory with dK/dV's own buffers: K, V and their output buffers, and the Q / dO ring.
     smem = 2 * (2 * block_n * (d0 + d1 + d_v) + stages * block_m * (d0 + d1 + d_v))
     extra = {}
     tma_store = DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1)
     if tma_store and smem <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
-        dk2, dv2 = dk.view(b * hk * n, d_qk), dv.view(b * hk * n, d_v)
-        extra = {"dk_desc": desc(dk2, block_n, d0), "dk1_desc": desc(dk2, block_n, d1) if d1 else None,
-                 "dv_desc": desc(dv2, block_n, d_v), "TMA_STORE": True}
+        extra = {"dk_desc": desc(4, block_n, d0), "dk1_desc": desc(4, block_n, d1) if d1 else None,
+                 "dv_desc": desc(5, block_n, d_v), "TMA_STORE": True}
     if DKDV_FRESH_DESC == "1":
         extra["FRESH_DESC"] = True
         grid = grid + (1,)  # program_id(2): the kernel's 0 that the compiler cannot see
-    _dkdv_gluon[grid](
-        q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, lse, delta, dk, dv,
-        scale * _LOG2E, scale, m, n, h, hk, h // hk, *lay,
-        D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        TOKEN_MAJOR=any(vw[3] for vw in views), num_warps=num_warps, **extra,
-    )
+    plan.launch = Launch(_dkdv_gluon, grid, (
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, plan.slot("lse"), plan.slot("delta"), plan.slot("dk"),
+        plan.slot("dv"), plan.slot("scale2"), plan.slot("scale"), m, n, h, hk, h // hk, *lay,
+    ), dict(D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+            TOKEN_MAJOR=any(vw[3] for vw in views), **extra), {"num_warps": num_warps})
+    plan.launch(*plan.values((q, do, k, v, dk, dv), _dkdv_named(lse, delta, dk, dv, scale)))
+    if key is not None:
+        _plans.put(key, plan.done())
     return dk, dv
+
+
+def _dkdv_named(lse, delta, dk, dv, scale) -> dict:
+    return {"lse": lse, "delta": delta, "dk": dk, "dv": dv, "scale2": scale * _LOG2E, "scale": scale}
+
+
+# dkdv_gluon's plans by call key (see gluon_fwd.DescPlan); cleared by the tests around each test.
+_plans = PlanCache()
 
 
 def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,

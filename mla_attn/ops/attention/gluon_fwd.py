@@ -88,7 +88,9 @@ import os
 
 import torch
 
+from .. import _launch as _fast
 from .._common import is_hopper
+from .._launch import Launch, PlanCache, Slot, rebased, tensor_key
 
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
@@ -849,6 +851,14 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     block_m / 2 rows from each of two query heads sharing a KV head (GQA with an even group only; see
     ``HEAD_PAIR``).
     """
+    key = None
+    if _fast.enabled() and (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, trace, persistent, block_trace,
+                            schedule, s1_early, tail, pair) == _DEFAULTS:
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), bool(token_major), PERSISTENT, S1_EARLY,
+               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR)
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run_fwd(q, k, v, scale)
     if not supported(q, k, v):
         raise ValueError(f"flash_fwd_gluon: unsupported inputs q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} on {q.device}")
@@ -877,6 +887,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     (q2, q_rb, q_rh, q_ch), (k2, k_rb, k_rh, k_ch), (v2, v_rb, v_rh, v_ch) = (
         _tma_view(q, token_major), _tma_view(k, token_major), _tma_view(v, token_major))
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    plan = DescPlan(token_major, (q, k, v), (q2, k2, v2, o.view(b * h * m, d_v)), el)
     d0, d1 = _split_head_dim(d_qk)
     pair_ok = (h // hk) % 2 == 0
     if pair is None:
@@ -887,11 +898,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     rows = block_m // 2 if pair else block_m  # rows of one head in a block
     units = b * h // 2 if pair else b * h  # head units: (batch, head) or (batch, head pair)
 
-    def desc(t, rows, cols):
-        return _desc(t, rows, cols, el)
-
-    q_desc, k_desc, v_desc = desc(q2, rows, d0), desc(k2, block_n, d0), desc(v2, block_n, d_v)
-    q1_desc, k1_desc = (desc(q2, rows, d1), desc(k2, block_n, d1)) if d1 else (q_desc, k_desc)
+    desc = plan.desc  # (source: 0 q, 1 k, 2 v, 3 o; box rows, box columns) -> the next per-call Slot
+    q_desc, k_desc, v_desc = desc(0, rows, d0), desc(1, block_n, d0), desc(2, block_n, d_v)
+    q1_desc, k1_desc = (desc(0, rows, d1), desc(1, block_n, d1)) if d1 else (q_desc, k_desc)
     if persistent is None:
         persistent = _auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1"
     if s1_early is None:
@@ -905,7 +914,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     else:
         tma_store = TMA_STORE and d0 == d_v and o.is_contiguous()
     if tma_store:
-        extra_o = {"o_desc": desc(o.view(b * h * m, d_v), rows, d_v), "TMA_STORE": True}
+        extra_o = {"o_desc": desc(3, rows, d_v), "TMA_STORE": True}  # over o seen as [B * H * M, Dv]
     else:
         extra_o = {}
     if persistent and trace is not None:
@@ -921,21 +930,93 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         if schedule not in (0, 1):
             raise ValueError(f"flash_fwd_gluon: schedule must be 0 (counter) or 1 (static snake), got {schedule!r}")
         grid = (min(n_mb * units, _num_sms(q.device)), 1)
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule == 0 else lse  # 1: unused
-        extra = {"PERSISTENT": True, "COUNTER": counter, "BH": units, "SCHEDULE": schedule}
+        plan.counter = schedule == 0  # see _fwd_named
+        extra = {"PERSISTENT": True, "COUNTER": plan.slot("counter"), "BH": units, "SCHEDULE": schedule}
     else:
         grid = (n_mb, units)
         extra = {"BH": units} if tail else {}
     if pair:
         extra["PAIR"] = True
-    _flash_fwd_gluon[grid](
-        q_desc, q1_desc, k_desc, k1_desc, v_desc, o, lse, scale * _LOG2E, m, n, h, hk,
+    plan.launch = Launch(_flash_fwd_gluon, grid, (
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, plan.slot("o"), plan.slot("lse"), plan.slot("scale"), m, n, h, hk,
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+    ), dict(
         D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch), num_warps=num_warps,
+        PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch),
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
         **({"S1_EARLY": True} if s1_early and pv_overlap else {}), **extra_tail,
-    )
+    ), {"num_warps": num_warps})
+    plan.o_shape, plan.lse_shape = o.shape, lse.shape
+    plan.launch(*plan.values((q, k, v, o), _fwd_named(plan, o, lse, scale)))
+    if key is not None:
+        _plans.put(key, plan.done())
     return o, lse
+
+
+def _fwd_named(plan, o, lse, scale) -> dict:
+    """The forward's per-call values other than descriptors (the counter: a fresh zero a call for the counter
+    schedule; lse, unused, for the snake)."""
+    counter = torch.zeros(1, dtype=torch.int32, device=o.device) if plan.counter else lse
+    return {"o": o, "lse": lse, "scale": scale * _LOG2E, "counter": counter}
+
+
+# The default schedule arguments of flash_fwd_gluon: only calls with these are planned.
+_DEFAULTS = (128, None, None, 8, None, None, None, None, None, None, None, None, None)
+# Plans by call key (see DescPlan); cleared by the tests around each test (tests/conftest.py).
+_plans = PlanCache()
+
+
+class DescPlan:
+    """A Gluon launch over TMA descriptors whose host decisions are kept per call key and replayed: the
+    :class:`Launch`, and its per-call values in slot order -- descriptors over the call's tensors, and named
+    values (outputs, scale). The first call builds each descriptor with ``from_tensor`` (which checks
+    the layout) and keeps it, without its tensor, as a template; a replay rebases the templates on the new
+    tensors (:func:`_launch.rebased`), copying an input for TMA only where the first call had to
+    (``_tma_view``: a strided or misaligned one; the key fixes which). Used by the forward here and the
+    dK/dV pass (gluon_bwd). Why: on small rows an eager training step is bound by the host, and the forward's
+    launcher took ~200 us of it (H100, docs/benchmarks.md session 23), most in ``from_tensor``, Triton's binder
+    and the driver's descriptor encoding; a replay skips the first two."""
+
+    __slots__ = ("token_major", "copies", "sources", "el", "order", "launch", "counter", "o_shape", "lse_shape")
+
+    def __init__(self, token_major: bool, inputs, sources, el):
+        # sources: the first call's 2-D views of the inputs, then of any outputs (a replay takes the outputs
+        # as they are: only their data pointers are read)
+        self.token_major, self.el = token_major, el
+        self.copies = tuple(s.data_ptr() != t.data_ptr() for t, s in zip(inputs, sources))
+        self.sources, self.order, self.launch, self.counter = sources, [], None, False
+
+    def desc(self, src: int, rows: int, cols: int) -> Slot:
+        """A descriptor over source ``src`` with [rows, cols] boxes, as the next per-call value."""
+        self.order.append((src, _desc(self.sources[src], rows, cols, self.el)))
+        return Slot(len(self.order) - 1)
+
+    def slot(self, name: str) -> Slot:
+        """The named per-call value as the next one."""
+        self.order.append((None, name))
+        return Slot(len(self.order) - 1)
+
+    def values(self, tensors, named: dict) -> list:
+        """The per-call values in slot order; ``tensors``: the inputs, then the outputs, as in ``sources``."""
+        if self.sources is not None:  # the first call: its own descriptors
+            return [named[x] if src is None else x for src, x in self.order]
+        n = len(self.copies)
+        bases = [_tma_view(t, self.token_major)[0] if c else t for t, c in zip(tensors[:n], self.copies)]
+        bases += tensors[n:]
+        return [named[x] if src is None else rebased(x, bases[src]) for src, x in self.order]
+
+    def done(self) -> "DescPlan":
+        """Keep the descriptors as templates, without the first call's tensors (a plan must not keep them alive)."""
+        self.order = [(src, x if src is None else rebased(x, None)) for src, x in self.order]
+        self.sources = None
+        return self
+
+    def run_fwd(self, q, k, v, scale):
+        from . import triton_fwd
+
+        o = triton_fwd._alloc(self.o_shape, q.device, q.dtype)
+        lse = triton_fwd._alloc(self.lse_shape, q.device, torch.float32)
+        self.launch(*self.values((q, k, v, o), _fwd_named(self, o, lse, scale)))
+        return o, lse

@@ -81,6 +81,7 @@ import torch
 
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
+from .._launch import rebased as _rebased
 from .triton_decode import plan_buffers
 
 try:
@@ -1036,14 +1037,6 @@ class _GluonPlan:
 # H100 (83b4fd0): test_gluon_mla_plan_replay passed both ways; host time of an eager B = 1, H = 128 call
 # 120 -> 93 us (profile_launch.py, two rounds). On; MLA_ATTN_GLUON_MLA_REBASE=0 turns it off.
 REBASE_DESCRIPTORS = os.environ.get("MLA_ATTN_GLUON_MLA_REBASE", "1") != "0"
-
-
-def _rebased(template, base):
-    """A copy of the TensorDescriptor ``template`` over ``base`` (same layout; see _GluonPlan.descriptors)."""
-    d = object.__new__(type(template))
-    d.__dict__.update(template.__dict__)
-    d.base = base
-    return d
 
 
 # Plans by call key (see triton_decode._plans); only calls with the default schedule arguments are planned.
