@@ -109,7 +109,7 @@ if [ "${ONLY:-}" = host ]; then
   if [ -n "${HOST_BASELINE:-}" ]; then
     step "profile host side, baseline" "$(lim 150)" bash -c "cd '$HOST_BASELINE' && PYTHONPATH=. $PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train_baseline.txt'; exit \${PIPESTATUS[0]}"
   fi
-  step "gpu tests touching the host path" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py -k 'lse or compile or deterministic or side_stream' 2>&1 | tee '$out/gpu_host_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
+  step "gpu tests touching the host path" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py -k 'lse or compile or deterministic or side_stream or plan' 2>&1 | tee '$out/gpu_host_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
   step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
   step "bench host overhead (eager vs graph)" "$(lim 300)" $PY scripts/bench_attention.py --host-overhead "$out/bench_host_overhead.md"
   echo "gpu_check status: $status"

@@ -1,8 +1,8 @@
 """Host-side cost of one eager decode call, or of one training step (CUDA): where the microseconds go
 before the GPU starts.
 
-Decode cases run with ``mla_attn.ops._launch.FAST`` off and on, alternately (cached launch plans and
-binder-free launches; ``MLA_ATTN_FAST_LAUNCH``).
+Decode cases and training steps run with ``mla_attn.ops._launch.FAST`` off and on, alternately (cached launch
+plans and binder-free launches; ``MLA_ATTN_FAST_LAUNCH``).
 
 At batch 1 a decode step's GPU work is tens of microseconds, so an eager call is only as fast as its
 Python path (validation, allocations, Triton's launcher). This times the host side alone (many calls
@@ -254,14 +254,21 @@ def _host_pieces(device):
 
 
 def _main_train(args, device):
-    for name, us in _host_pieces(device).items():
-        print(f"piece: {name}: {us:.1f} us", flush=True)
+    from mla_attn.ops import _launch
+
+    for fast in (False, True):  # the Gluon launchers' plans (gluon_fwd.DescPlan) off / on
+        _launch.FAST = fast
+        for name, us in _host_pieces(device).items():
+            print(f"piece [fast launch {'on' if fast else 'off'}]: {name}: {us:.1f} us", flush=True)
     cases = _train_cases(device)
     for name, fn in cases.items():
-        host, wall = _host_and_wall_us(fn, args.calls, 10)
+        for fast in (False, True, False, True):
+            _launch.FAST = fast
+            host, wall = _host_and_wall_us(fn, args.calls, 10)
+            print(f"{name} [fast launch {'on' if fast else 'off'}]: host {host:.1f} us per step (no sync), "
+                  f"wall {wall:.1f} us per step", flush=True)
         graph = _graph_ms(fn)
-        print(f"{name}: host {host:.1f} us per step (no sync), wall {wall:.1f} us per step, "
-              f"CUDA-graph replay {graph * 1e3:.1f} us per step", flush=True)
+        print(f"{name}: CUDA-graph replay {graph * 1e3:.1f} us per step", flush=True)
         count, names = _kernels_per_step(fn)
         print(f"  kernels per step: {count:g}: " + ", ".join(f"{k[:60]} x{c:g}" for k, c in names.items()), flush=True)
     _cprofile(*next(iter(cases.items())), args, ("tottime", "cumulative"), "steps")
