@@ -25,6 +25,8 @@
 #     its tests, then the MLA decode bench with it routed
 #   ONLY=fused bash scripts/gpu_check.sh [OUTDIR]  the Triton decode's GPU tests, then the decode bench's GQA
 #     and MLA H = 16 rows with the fused merge on and off
+#   ONLY=plans bash scripts/gpu_check.sh [OUTDIR]  the Gluon training launchers' plans: GPU tests, host profile
+#     off/on; then the decode plan and graph tests (one cold call)
 #   ONLY=launch bash scripts/gpu_check.sh [OUTDIR]  cached decode plans / binder-free launches: the decode GPU
 #     tests, eager decode host cost with them off and on, the decode bench's host-bound rows both ways
 #     (LAUNCH_SHAPES, bench_decode --shapes; "" skips the bench)
@@ -112,6 +114,14 @@ if [ "${ONLY:-}" = host ]; then
   step "gpu tests touching the host path" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py -k 'lse or compile or deterministic or side_stream or plan' 2>&1 | tee '$out/gpu_host_tests.log' | tail -12; exit \${PIPESTATUS[0]}"
   step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
   step "bench host overhead (eager vs graph)" "$(lim 300)" $PY scripts/bench_attention.py --host-overhead "$out/bench_host_overhead.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = plans ]; then
+  # One cold call: the Gluon training launchers' plans (tests, host profile off/on), then the decode plan tests.
+  step "gluon training plan tests" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k plan 2>&1 | tee '$out/gpu_train_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
+  step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
+  step "decode plan and graph tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers/test_decode_graph.py -k 'plan or fast or graph' 2>&1 | tee '$out/gpu_decode_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   echo "gpu_check status: $status"
   exit $status
 fi
