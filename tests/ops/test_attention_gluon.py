@@ -614,3 +614,46 @@ def test_desc_plan_rebases_like_fresh_descriptors():
             assert torch.equal(d.base.view(2, 3, 30, 32), new[2])
         else:
             assert d.base.data_ptr() == fresh_bases[src].data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("side", [False, True], ids=["one-stream", "side-stream-dq"])
+@pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
+def test_training_step_plans_match_unplanned(side, token_major, monkeypatch):
+    """A whole fwd+bwd through the public autograd Function with every launcher replaying its plan (the Gluon
+    forward, triton_bwd's preprocess and dQ launches without the binder, the Gluon dK/dV pass) gives bit for
+    bit the outputs and gradients of unplanned calls, on new inputs each step, into NaN-poisoned buffers."""
+    from mla_attn.ops import _launch
+    from mla_attn.ops.attention import triton_bwd
+    from mla_attn.ops.attention.function import flash_attention
+
+    case = (2, 8, 2, 300, 333, 128, 128, True)
+    monkeypatch.setattr(triton_bwd, "SIDE_STREAM_DQ", side)
+    monkeypatch.setattr(triton_bwd, "SIDE_STREAM_MIN_WORK", 0)
+    _poison_outputs(monkeypatch)
+    steps = []
+    for seed in (31, 32, 33):
+        q, k, v, gen = _seeded_qkv(case, token_major, seed)
+        steps.append((q, k, v, torch.randn(2, 8, 300, 128, generator=gen).to("cuda", torch.bfloat16)))
+
+    def run():
+        outs = []
+        for q, k, v, do in steps:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o, lse = flash_attention(*leaves, True, 0.09)
+            (o.float() * do.float()).sum().add(lse.sum()).backward()
+            outs.append([o.detach(), lse.detach()] + [t.grad for t in leaves])
+        torch.cuda.synchronize()
+        return outs
+
+    monkeypatch.setattr(_launch, "FAST", False)
+    expect = run()
+    monkeypatch.setattr(_launch, "FAST", True)
+    got = run()
+    assert len(gluon_fwd._plans) == len(gluon_bwd._plans) == len(triton_bwd._plans) == 1
+    plan = next(iter(triton_bwd._plans.values()))
+    assert plan.pre.runner is not None and plan.dq.runner is not None and plan.side == side
+    for e, g in zip(expect, got):
+        for a, b_ in zip(e, g):
+            assert not torch.isnan(b_).any() and torch.equal(a, b_)

@@ -417,3 +417,59 @@ def test_gpu_torch_compile_and_autocast():
     for a, b in zip(got, eager):
         assert a.dtype == torch.float32  # gradients come back in the leaves' dtype
         assert torch.allclose(a, b, rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "expanded-dlse"])
+def test_backward_plan_replays_new_inputs(with_dlse, poison, monkeypatch):
+    """flash_attn_bwd's cached plan (triton_bwd._BwdPlan): later calls with new inputs of the same layout give
+    bit for bit the gradients of an unplanned call, into fresh NaN-poisoned buffers; one plan is kept, and a
+    call with another layout (strided k) makes a second one."""
+    from mla_attn.ops import _launch
+    from mla_attn.ops.attention import triton_bwd
+
+    b, hq, hkv, m, n, d, causal = 1, 4, 2, 37, 50, 16, True
+    scale = d ** -0.5
+
+    def inputs():
+        q, k, v, do = (torch.randn(b, h, length, d) for h, length in ((hq, m), (hkv, n), (hkv, n), (hq, m)))
+        o, lse = flash_attn_fwd(q, k, v, causal, scale)
+        dlse = torch.randn(1, 1, 1).expand(b, hq, m) if with_dlse else None
+        return do, q, k, v, o, lse, dlse
+
+    calls = [inputs() for _ in range(3)]
+    monkeypatch.setattr(_launch, "FAST", False)
+    expect = [flash_attn_bwd(*c[:6], causal, scale, dlse=c[6]) for c in calls]
+    assert not triton_bwd._plans
+    monkeypatch.setattr(_launch, "FAST", True)
+    got = [flash_attn_bwd(*c[:6], causal, scale, dlse=c[6]) for c in calls]
+    assert len(triton_bwd._plans) == 1
+    for e, g in zip(expect, got):
+        for a, b_ in zip(e, g):
+            assert not torch.isnan(b_).any() and torch.equal(a, b_)
+    assert len({g[0].data_ptr() for g in got}) == 3  # fresh outputs each call
+    do, q, k, v, o, lse, dlse = calls[0]
+    strided_k = _strided(k)
+    out = flash_attn_bwd(do, q, strided_k, v, o, lse, causal, scale, dlse=dlse)
+    assert len(triton_bwd._plans) == 2
+    monkeypatch.setattr(_launch, "FAST", False)
+    ref = flash_attn_bwd(do, q, strided_k, v, o, lse, causal, scale, dlse=dlse)
+    assert all(torch.equal(a, b_) for a, b_ in zip(out, ref))
+
+
+def test_backward_plan_keeps_no_tensor_alive():
+    import gc
+    import weakref
+
+    from mla_attn.ops.attention import triton_bwd
+
+    def run():
+        q, k, v, do = (torch.randn(1, 2, 20, 16) for _ in range(4))
+        o, lse = flash_attn_fwd(q, k, v, False, 0.25)
+        for _ in range(2):
+            flash_attn_bwd(do, q, k, v, o, lse, False, 0.25)
+        assert len(triton_bwd._plans) == 1
+        return [weakref.ref(t) for t in (q, k, v, do, o, lse)]
+
+    refs = run()
+    gc.collect()
+    assert all(r() is None for r in refs), "a backward plan kept a tensor alive"

@@ -18,11 +18,14 @@ their gradients are 0. Causal alignment is bottom-right, as in the forward (trit
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _launch as _fast
+from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
 from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim
 
@@ -401,7 +404,16 @@ def flash_attn_bwd(
     v [B, Hkv, N, Dv] as given to the forward, o [B, Hq, M, Dv] contiguous and lse float32 [B, Hq, M]
     from ``flash_attn_fwd``. Returns contiguous dq, dk, dv in the input dtypes. Deterministic; never
     synchronises with the host. The configs override the tile tables (BLOCK_M, BLOCK_N, warps, stages).
+    Calls with the default tiles replay a plan kept per call key (:class:`_BwdPlan`).
     """
+    key = None
+    if _fast.enabled() and dkdv_config is None and dq_config is None:
+        key = (tensor_key(do), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(o), tensor_key(lse),
+               tensor_key(dlse), bool(causal), dot_precision(q.dtype), GLUON_DKDV, GLUON_DQ, GLUON_TOKEN_MAJOR,
+               SIDE_STREAM_DQ, SIDE_STREAM_MIN_WORK, getattr(sys.modules.get(_FUSED), "FUSED_BWD", None))
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run(do, q, k, v, o, lse, dlse, scale)
     B, Hq, M, Dqk = q.shape
     Hkv, N, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = triton_fwd._alloc((B, Hq, M, Dqk), q.device, q.dtype)
@@ -418,23 +430,23 @@ def flash_attn_bwd(
     shift = N - M
 
     delta = triton_fwd._alloc((B, Hq, M), q.device, torch.float32)
+    # Per-call values of the launches, in _BwdPlan.values order: Slot(i) is the i-th.
+    S = {name: Slot(i) for i, name in enumerate(_BwdPlan.VALUES)}
     pre_m = 64 if not _interpreting() else 32
+    plan = _BwdPlan()
+    plan.shapes = (dq.shape, dk.shape, dv.shape, delta.shape)
     # lse's own gradient (dlse) folds into delta in the same launch (any strides: lse.sum()'s is expanded).
-    _bwd_preprocess[(triton.cdiv(M, pre_m), B * Hq)](
-        o, do, delta, lse, dlse if dlse is not None else lse, o.stride(0), o.stride(1), o.stride(2), *do.stride(),
+    plan.pre = Launch(_bwd_preprocess, (triton.cdiv(M, pre_m), B * Hq), (
+        S["o"], S["do"], S["delta"], S["lse"], S["dlse"], o.stride(0), o.stride(1), o.stride(2), *do.stride(),
         *(dlse.stride() if dlse is not None else (0, 0, 0)), Hq, M,
-        D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
-    )
+    ), dict(D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None), {})
+    vals = plan.values(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale)
+    plan.pre(*vals)
 
-    # dQ on a side stream (SIDE_STREAM_DQ), forked here, after delta and before the dK/dV pass is
-    # queued, so that the two passes overlap. The current stream waits for it before anything after
-    # this backward; the buffers it touches were all made on the current stream, which does nothing
-    # more with them until then.
+    # dQ on a side stream (SIDE_STREAM_DQ), forked after delta and before the dK/dV pass is queued, so that
+    # the two passes overlap (_BwdPlan.passes).
     work = B * Hq * M * N * (Dqk + Dv) / (2 if causal else 1)
-    side = _side_stream(q.device) if SIDE_STREAM_DQ and q.is_cuda and work >= SIDE_STREAM_MIN_WORK else None
-    if side is not None:
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
+    plan.side = SIDE_STREAM_DQ and q.is_cuda and work >= SIDE_STREAM_MIN_WORK
 
     # The Gluon dK/dV pass takes contiguous inputs only (as the Gluon forward: a copy for its TMA
     # descriptors would cost more than it gains); strided ones stay on the Triton kernel.
@@ -450,63 +462,117 @@ def flash_attn_bwd(
         from . import gluon_bwd_fused
 
         if gluon_bwd_fused.FUSED_BWD == "1" and gluon_bwd_fused.supported(q, k, v):
-            # dK, dV and dQ in one pass (the side stream, forked above, has nothing queued on it).
+            # dK, dV and dQ in one pass (not planned: off by default, and its launcher is not one of these).
             gluon_bwd_fused.bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, causal=bool(causal), scale=scale,
                                             token_major=not contiguous)
             return dq, dk, dv
     gluon_dkdv = gluon_ok and dkdv_config is None and GLUON_DKDV
     gluon_dq = gluon_ok and contiguous and dq_config is None and GLUON_DQ
+    plan.causal, plan.token_major = bool(causal), not contiguous
 
-    def launch_dkdv(cfg):
-        bm, bn, warps, stages = cfg
-        _bwd_dkdv_kernel[(triton.cdiv(N, bn), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            Hq, Hkv, M, N, shift, scale * LOG2E, scale,
-            GROUP=group, D_QK=Dqk, D_V=Dv,
-            BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
-            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages,
-        )
-
-    def launch_dq(cfg):
-        bm, bn, warps, stages = cfg
-        _bwd_dq_kernel[(triton.cdiv(M, bm), B * Hq)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            Hq, M, N, shift, scale * LOG2E, scale,
-            GROUP=group, D_QK=Dqk, D_V=Dv,
-            BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv,
-            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages,
-        )
+    def triton_launch(kernel, grid, head, tail):
+        """make(cfg) for launch_with_fallback: the kernel's args are q, k, v, do, lse, delta, *head, the four
+        inputs' strides, *tail."""
+        def make(cfg):  # a Launch of this config, launched once here (compiling: out of resources raises)
+            bm, bn, warps, stages = cfg
+            launch = Launch(kernel, grid(bm, bn), (
+                S["q"], S["k"], S["v"], S["do"], S["lse"], S["delta"], *head,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *tail,
+            ), dict(GROUP=group, D_QK=Dqk, D_V=Dv, BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv, CAUSAL=bool(causal),
+                    BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype)), dict(num_warps=warps, num_stages=stages))
+            launch(*vals)
+            return launch
+        return make
 
     # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
     es = q.element_size()
     width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
-    key = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
-    # dK/dV on the current stream, then dQ on the side stream (one switch there and one back: each stream
-    # change is host time, and on small rows the host sets the step time).
-    if gluon_dkdv:
-        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=bool(causal), scale=scale,
-                             token_major=not contiguous)
-    else:
-        launch_with_fallback(launch_dkdv, ("dkdv",) + key, dkdv_config or _dkdv_config(width, vwidth, causal),
-                             pinned=dkdv_config is not None)
-    if side is not None:
-        torch.cuda.set_stream(side)
-    try:
+    fkey = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
+
+    def first_dkdv():  # the first call's dK/dV pass: chooses (and compiles) it, keeps it in the plan
+        if gluon_dkdv:
+            plan.dkdv = plan.gluon_dkdv
+            plan.dkdv(*vals)
+            return
+        tail = (dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                Hq, Hkv, M, N, shift, S["scale2"], S["scale"])
+        plan.dkdv = launch_with_fallback(
+            triton_launch(_bwd_dkdv_kernel, lambda bm, bn: (triton.cdiv(N, bn), B * Hkv), (S["dk"], S["dv"]), tail),
+            ("dkdv",) + fkey, dkdv_config or _dkdv_config(width, vwidth, causal), pinned=dkdv_config is not None)
+
+    def first_dq():
         if gluon_dq:
-            gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=bool(causal), scale=scale)
-        else:
-            launch_with_fallback(launch_dq, ("dq",) + key, dq_config or _dq_config(width, vwidth, causal),
-                                 pinned=dq_config is not None)
-    finally:
-        if side is not None:
-            torch.cuda.set_stream(main)
-    if side is not None:
-        main.wait_stream(side)
+            plan.dq = plan.gluon_dq
+            plan.dq(*vals)
+            return
+        tail = (dq.stride(0), dq.stride(1), dq.stride(2), Hq, M, N, shift, S["scale2"], S["scale"])
+        plan.dq = launch_with_fallback(
+            triton_launch(_bwd_dq_kernel, lambda bm, bn: (triton.cdiv(M, bm), B * Hq), (S["dq"],), tail),
+            ("dq",) + fkey, dq_config or _dq_config(width, vwidth, causal), pinned=dq_config is not None)
+
+    plan.passes(q.device, first_dkdv, first_dq)
+    if key is not None:
+        _plans.put(key, plan)
     return dq, dk, dv
+
+
+class _BwdPlan:
+    """:func:`flash_attn_bwd`'s host decisions for one call key, replayed by later calls: buffer shapes, the
+    side stream or not, and its three launches -- the preprocess and the Triton passes as :class:`Launch` es
+    (no binder on a replay), the Gluon dK/dV pass through ``gluon_bwd.dkdv_gluon`` (which keeps a plan of its
+    own). Holds no tensors."""
+
+    __slots__ = ("shapes", "pre", "dkdv", "dq", "side", "causal", "token_major")
+    VALUES = ("q", "k", "v", "do", "o", "lse", "dlse", "delta", "dq", "dk", "dv", "scale2", "scale")
+
+    @staticmethod
+    def values(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale) -> tuple:
+        """The per-call values in ``VALUES`` order (dlse: lse, unread, when there is none)."""
+        return (q, k, v, do, o, lse, lse if dlse is None else dlse, delta, dq, dk, dv, scale * LOG2E, scale)
+
+    def gluon_dkdv(self, q, k, v, do, o, lse, dlse, delta, dq, dk, dv, scale2, scale):
+        from . import gluon_bwd
+
+        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, causal=self.causal, scale=scale,
+                             token_major=self.token_major)
+
+    def gluon_dq(self, q, k, v, do, o, lse, dlse, delta, dq, dk, dv, scale2, scale):
+        from . import gluon_bwd
+
+        gluon_bwd.dq_gluon(q, k, v, do, lse, delta, dq, causal=self.causal, scale=scale)
+
+    def passes(self, device, dkdv, dq) -> None:
+        """dK/dV on the current stream, then dQ -- on the side stream when ``side`` (forked here, after
+        delta and before the dK/dV pass is queued, and joined back): one switch there and one back, since
+        each stream change is host time. The buffers the side stream touches were all made on the current
+        stream, which does nothing more with them until the join."""
+        side = _side_stream(device) if self.side else None
+        if side is not None:
+            main = torch.cuda.current_stream(device)
+            side.wait_stream(main)
+        dkdv()
+        if side is not None:
+            torch.cuda.set_stream(side)
+        try:
+            dq()
+        finally:
+            if side is not None:
+                torch.cuda.set_stream(main)
+        if side is not None:
+            main.wait_stream(side)
+
+    def run(self, do, q, k, v, o, lse, dlse, scale):
+        dq_shape, dk_shape, dv_shape, delta_shape = self.shapes
+        dq = triton_fwd._alloc(dq_shape, q.device, q.dtype)
+        dk = triton_fwd._alloc(dk_shape, k.device, k.dtype)
+        dv = triton_fwd._alloc(dv_shape, v.device, v.dtype)
+        delta = triton_fwd._alloc(delta_shape, q.device, torch.float32)
+        vals = self.values(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale)
+        self.pre(*vals)
+        self.passes(q.device, lambda: self.dkdv(*vals), lambda: self.dq(*vals))
+        return dq, dk, dv
+
+
+# flash_attn_bwd's plans by call key; cleared by the tests around each test (tests/conftest.py).
+_plans = PlanCache()
+_FUSED = __name__.rsplit(".", 1)[0] + ".gluon_bwd_fused"  # its FUSED_BWD switch is in the key, once imported
