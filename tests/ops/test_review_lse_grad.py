@@ -69,3 +69,32 @@ def test_gpu_lse_gradient_expanded_and_nan_on_empty_rows(dtype):
         for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
             assert torch.isfinite(a.grad).all(), name
             assert_close(a.grad, r.grad, floor=5 * dtype_floor(dtype), name=name)
+
+
+@pytest.mark.parametrize("use", ["o", "lse"])
+def test_unused_output_gets_no_materialised_gradient(use, monkeypatch):
+    # The Function does not materialise zero gradients (ctx.set_materialize_grads(False)): a loss on o alone
+    # reaches the backward launcher with dlse None (no fill kernel, no dlse reads); a loss on lse alone gets
+    # dO = 0 made there. Both match the float64 oracle.
+    from mla_attn.ops.attention import function
+
+    seen = []
+    real = function.flash_attn_bwd
+    monkeypatch.setattr(function, "flash_attn_bwd", lambda *a, dlse=None, **kw: seen.append(dlse) or real(
+        *a, dlse=dlse, **kw))
+    q, k, v = torch.randn(1, 4, 9, 24), torch.randn(1, 2, 7, 24), torch.randn(1, 2, 7, 16)
+    w = torch.randn(1, 4, 9, 16)
+
+    def loss(o, lse):
+        return (o * w.to(o.dtype)).sum() if use == "o" else (lse * w[..., 0].to(lse.dtype)).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(*mla_attn.attention(*leaves, causal=True, return_lse=True, impl="triton")).backward()
+    assert len(seen) == 1 and (seen[0] is None) == (use == "o")
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    loss(*attention_oracle(*ref, causal=True)).backward()
+    for name, a, r in zip(("dq", "dk", "dv"), leaves, ref):
+        if r.grad is None:  # lse does not depend on v: dV is exactly zero
+            assert use == "lse" and name == "dv" and torch.equal(a.grad, torch.zeros_like(a.grad))
+        else:
+            assert_close(a.grad, r.grad, floor=5 * dtype_floor(torch.float32), name=name)

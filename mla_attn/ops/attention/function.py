@@ -9,6 +9,7 @@ implementations for tracing) -> ``FlashAttnFunction`` (autograd) -> ``flash_atte
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -65,7 +66,7 @@ def _(q, k, v, causal, scale):
     return q.new_empty((b, hq, m, v.shape[-1])), q.new_empty((b, hq, m), dtype=torch.float32)
 
 
-def _flash_attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor,
+def _flash_attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                          causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return flash_attn_bwd(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                           o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
@@ -102,6 +103,9 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
         o, lse = _fwd(q, k, v, causal, scale)
+        # An output the loss does not use gets None, not a materialised zero: lse is unused in most steps, and
+        # its zero gradient would cost a fill kernel and the preprocess's reads of it.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.scale = scale
@@ -111,6 +115,10 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, do, dlse):
         # d lse_i / d s_ij = p_ij, so lse's gradient enters as dS = P * (dP - (delta - dlse)).
         q, k, v, o, lse = ctx.saved_tensors
+        if do is None and dlse is None:
+            return None, None, None, None, None
+        if do is None:  # only lse was used
+            do = torch.zeros_like(o)
         dq, dk, dv = _bwd(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
