@@ -144,11 +144,14 @@ def main():
 
         d0, d1 = _split_head_dim(args.dqk)
         qa = a // 2 if args.pair else a  # rows of one head in a block (Q's and O's descriptor blocks)
-        ptrs = {"q_desc": desc(qa, d0), "k_desc": desc(b, d0), "q1_desc": desc(qa, d1 or d0), "k1_desc": desc(b, d1 or d0),
-                "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
+        ptrs = {"q_desc": desc(qa, d0), "k_desc": desc(b, d0), "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
                      num_warps=warps)
+        if d1:  # the launcher passes None for the second-half descriptors when there is no second half
+            ptrs.update(q1_desc=desc(qa, d1), k1_desc=desc(b, d1))
+        else:
+            const.update(q1_desc=None, k1_desc=None)
         if args.trace:  # the clock64 stamps (scripts/trace_flash_fwd.py)
             ptrs["TR"] = "*i64"
             const["TRACE"] = True
@@ -232,6 +235,9 @@ def main():
                 "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16"}
         const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      num_warps=warps)
+        if args.kernel == "gluon_dkdv" and not d1:  # as the launcher: no second-half descriptors
+            del ptrs["q1_desc"], ptrs["k1_desc"]
+            const.update(q1_desc=None, k1_desc=None)
         if args.kernel == "gluon_dkdv":
             const["TOKEN_MAJOR"] = args.token_major
             const["FRESH_DESC"] = args.fresh_desc

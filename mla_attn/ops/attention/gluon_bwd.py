@@ -514,7 +514,7 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     desc = plan.desc
     q_desc, do_desc = desc(0, block_m, d0), desc(1, block_m, d_v)
     k_desc, v_desc = desc(2, block_n, d0), desc(3, block_n, d_v)
-    q1_desc, k1_desc = (desc(0, block_m, d1), desc(2, block_n, d1)) if d1 else (q_desc, k_desc)
+    q1_desc, k1_desc = (desc(0, block_m, d1), desc(2, block_n, d1)) if d1 else (None, None)  # as the forward
     grid = ((n + block_n - 1) // block_n, b * hk)
     # Shared memory with dK/dV's own buffers: K, V and their output buffers, and the Q / dO ring.
     smem = 2 * (2 * block_n * (d0 + d1 + d_v) + stages * block_m * (d0 + d1 + d_v))

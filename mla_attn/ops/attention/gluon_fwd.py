@@ -663,7 +663,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _flash_fwd_gluon(
-        q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else unused
+        q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE,  # q1/k1: columns D_QK0.. (SPLIT), else None
         qk_scale, M, N, H, HK,
         Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
@@ -900,7 +900,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
 
     desc = plan.desc  # (source: 0 q, 1 k, 2 v, 3 o; box rows, box columns) -> the next per-call Slot
     q_desc, k_desc, v_desc = desc(0, rows, d0), desc(1, block_n, d0), desc(2, block_n, d_v)
-    q1_desc, k1_desc = (desc(0, rows, d1), desc(1, block_n, d1)) if d1 else (q_desc, k_desc)
+    # None where Dqk has no second half: the kernel reads them only when D_QK1 > 0, and each descriptor costs
+    # the driver an encode at every launch.
+    q1_desc, k1_desc = (desc(0, rows, d1), desc(1, block_n, d1)) if d1 else (None, None)
     if persistent is None:
         persistent = _auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1"
     if s1_early is None:
