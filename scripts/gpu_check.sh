@@ -121,8 +121,8 @@ if [ "${ONLY:-}" = plans ]; then
   # One cold call: the Gluon training launchers' plans (tests, host profile off/on), then the decode plan tests.
   # ... with the session-26 changes they check: plans bitwise against unplanned calls; at d 128 the forward and
   # the dK/dV pass against the oracle (no second-half descriptors: None); lse gradients and compile/autocast
-  # (an unused lse's gradient not materialised).
-  step "gluon training plan tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py -k 'plan or lse_gradient or compile_and_autocast or ((gluon_forward_matches_oracle or gluon_dkdv_matches_oracle) and D128x128)' 2>&1 | tee '$out/gpu_train_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
+  # (an unused lse's gradient not materialised); fp32 (the planned Triton forward), determinism, side stream.
+  step "gluon training plan tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py tests/ops/test_attention_triton.py -k 'plan or lse_gradient or compile_and_autocast or float32_fits or deterministic or side_stream or ((gluon_forward_matches_oracle or gluon_dkdv_matches_oracle) and D128x128)' 2>&1 | tee '$out/gpu_train_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
   step "decode plan and graph tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers/test_decode_graph.py -k 'plan or fast or graph' 2>&1 | tee '$out/gpu_decode_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   # Where the eager Gluon MLA call at B = 1, H = 128 spends its host time (114 us back to back vs 38.5 as a graph,

@@ -41,7 +41,8 @@ def _fresh_launch_plans():
         for name, attr in (("mla_attn.ops.decode.triton_decode", "_plans"), ("mla_attn.ops.decode.gluon_mla", "_plans"),
                            ("mla_attn.ops.decode.api", "_validated"), ("mla_attn.ops.attention.gluon_fwd", "_plans"),
                            ("mla_attn.ops.attention.gluon_bwd", "_plans"),
-                           ("mla_attn.ops.attention.triton_bwd", "_plans")):
+                           ("mla_attn.ops.attention.triton_bwd", "_plans"),
+                           ("mla_attn.ops.attention.triton_fwd", "_plans")):
             cache = getattr(sys.modules.get(name), attr, None)
             if cache is not None:
                 cache.clear()

@@ -473,3 +473,31 @@ def test_backward_plan_keeps_no_tensor_alive():
     refs = run()
     gc.collect()
     assert all(r() is None for r in refs), "a backward plan kept a tensor alive"
+
+
+def test_forward_plan_replays_new_inputs(poison, monkeypatch):
+    """flash_attn_fwd's cached plan (triton_fwd._FwdPlan): new inputs of the same layout give bit for bit the
+    unplanned outputs, into fresh NaN-poisoned buffers; a strided k is another key; no tensor is kept alive."""
+    import gc
+    import weakref
+
+    from mla_attn.ops import _launch
+
+    calls = [[torch.randn(1, h, length, 16) for h, length in ((6, 33), (2, 45), (2, 45))] for _ in range(3)]
+    monkeypatch.setattr(_launch, "FAST", False)
+    expect = [flash_attn_fwd(*c, True, 0.3) for c in calls]
+    assert not triton_fwd._plans
+    monkeypatch.setattr(_launch, "FAST", True)
+    got = [flash_attn_fwd(*c, True, 0.3) for c in calls]
+    assert len(triton_fwd._plans) == 1
+    for e, g in zip(expect, got):
+        for a, b_ in zip(e, g):
+            assert not torch.isnan(b_).any() and torch.equal(a, b_)
+    assert len({g[0].data_ptr() for g in got}) == 3
+    q, k, v = calls[0]
+    out = flash_attn_fwd(q, _strided(k), v, True, 0.3)
+    assert len(triton_fwd._plans) == 2 and all(torch.equal(a, b_) for a, b_ in zip(out, expect[0]))
+    refs = [weakref.ref(t) for c in calls for t in c]
+    del calls, q, k, v, expect, got, out
+    gc.collect()
+    assert all(r() is None for r in refs), "a forward plan kept a tensor alive"
