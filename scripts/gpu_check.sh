@@ -126,8 +126,8 @@ if [ "${ONLY:-}" = plans ]; then
   step "profile host side of a training step" "$(lim 150)" bash -c "$PY scripts/profile_launch.py --train --calls 100 --top 45 2>&1 | tee '$out/profile_host_train.txt'; exit \${PIPESTATUS[0]}"
   step "decode plan and graph tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_gluon_mla.py tests/layers/test_decode_graph.py -k 'plan or fast or graph' 2>&1 | tee '$out/gpu_decode_plan_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   # Where the eager Gluon MLA call at B = 1, H = 128 spends its host time (114 us back to back vs 38.5 as a graph,
-  # H100, session 26): its cProfile.
-  step "profile eager Gluon MLA B1" "$(lim 100)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 40 --cases 3 --profile-case 3 2>&1 | tee '$out/profile_launch_mla_b1.txt'; exit \${PIPESTATUS[0]}"
+  # H100, session 26): its cProfile; and the host time of the GQA launcher contiguous vs paged 64 (case 5).
+  step "profile eager Gluon MLA B1" "$(lim 100)" bash -c "$PY scripts/profile_launch.py --calls 300 --top 40 --cases 1,3,5 --profile-case 3 2>&1 | tee '$out/profile_launch_mla_b1.txt'; exit \${PIPESTATUS[0]}"
   echo "gpu_check status: $status"
   exit $status
 fi
