@@ -106,6 +106,13 @@ class Launch:
         self.full, self.slots, self.runner = full, tuple(slots), runner
 
 
+def defaults(fn, names) -> tuple:
+    """The default values of ``fn``'s parameters ``names``, in order: a launcher compares its schedule arguments
+    with these to decide whether a call may be planned (read from the signature, not copied by hand)."""
+    params = inspect.signature(fn).parameters
+    return tuple(params[n].default for n in names)
+
+
 def rebased(template, base):
     """A copy of the TensorDescriptor ``template`` over the tensor ``base``: same shape, strides, block and
     layout, checked when the template was built by ``from_tensor``; a launch reads only the base's data

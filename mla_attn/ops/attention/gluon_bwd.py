@@ -491,7 +491,7 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``. Calls with the
     default tiles replay a plan kept per call key (``gluon_fwd.DescPlan``)."""
     key = None
-    if _fast.enabled() and (block_m, block_n, stages, num_warps) == (None, 128, None, 8):
+    if _fast.enabled() and (block_m, block_n, stages, num_warps) == _DKDV_DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
                tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES)
         plan = _plans.get(key)
@@ -541,8 +541,10 @@ def _dkdv_named(lse, delta, dk, dv, scale) -> dict:
     return {"lse": lse, "delta": delta, "dk": dk, "dv": dv, "scale2": scale * _LOG2E, "scale": scale}
 
 
-# dkdv_gluon's plans by call key (see gluon_fwd.DescPlan); cleared by the tests around each test.
+# dkdv_gluon's plans by call key (see gluon_fwd.DescPlan); cleared by the tests around each test. Only calls
+# with the default tiles are planned.
 _plans = PlanCache()
+_DKDV_DEFAULTS = _fast.defaults(dkdv_gluon, ("block_m", "block_n", "stages", "num_warps"))
 
 
 def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,

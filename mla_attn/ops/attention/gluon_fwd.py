@@ -964,8 +964,11 @@ def _fwd_named(plan, o, lse, scale) -> dict:
     return {"o": o, "lse": lse, "scale": scale * _LOG2E, "counter": counter}
 
 
-# The default schedule arguments of flash_fwd_gluon: only calls with these are planned.
-_DEFAULTS = (128, None, None, 8, None, None, None, None, None, None, None, None, None)
+# The default schedule arguments of flash_fwd_gluon, in the order its plan check lists them: only calls with
+# these are planned.
+_DEFAULTS = _fast.defaults(flash_fwd_gluon, ("block_m", "block_n", "stages", "num_warps", "pv_overlap", "q_in_regs",
+                                             "trace", "persistent", "block_trace", "schedule", "s1_early", "tail",
+                                             "pair"))
 # Plans by call key (see DescPlan); cleared by the tests around each test (tests/conftest.py).
 _plans = PlanCache()
 
