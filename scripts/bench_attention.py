@@ -507,12 +507,12 @@ def bench_host_overhead(out=None):
             row.append(f"failed: {type(e).__name__}: {str(e)[:60]}")
         # do_bench flushes L2 before each call, which hides host time up to the flush's length (eager can read
         # above graph); back to back, no flush, host included, is what a loop of eager steps sees.
-        def step(attn):
+        def eager_step(attn):
             for t in (q, k, v):  # as do_bench's grad_to_none: no accumulation kernel
                 t.grad = None
             attn(q, k, v, scale).backward(do)
 
-        b2b = [flops / _bench_b2b(lambda: step(attn), 50) / 1e12 for attn in (_ours, _sdpa)]
+        b2b = [flops / _bench_b2b(lambda: eager_step(attn), 50) / 1e12 for attn in (_ours, _sdpa)]
         row.append(f"{b2b[0]:.0f} / {b2b[1]:.0f}")
         lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | " + " | ".join(row) + " |")
         print(lines[-1], flush=True)

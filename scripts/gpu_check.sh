@@ -25,8 +25,9 @@
 #     its tests, then the MLA decode bench with it routed
 #   ONLY=fused bash scripts/gpu_check.sh [OUTDIR]  the Triton decode's GPU tests, then the decode bench's GQA
 #     and MLA H = 16 rows with the fused merge on and off
-#   ONLY=plans bash scripts/gpu_check.sh [OUTDIR]  the Gluon training launchers' plans: GPU tests, host profile
-#     off/on; then the decode plan and graph tests (one cold call)
+#   ONLY=plans bash scripts/gpu_check.sh [OUTDIR]  the training launchers' plans and session 26's other changes:
+#     their GPU tests, host profile off/on; the decode plan and graph tests; a cProfile of eager decode at B = 1
+#     (one cold call)
 #   ONLY=launch bash scripts/gpu_check.sh [OUTDIR]  cached decode plans / binder-free launches: the decode GPU
 #     tests, eager decode host cost with them off and on, the decode bench's host-bound rows both ways
 #     (LAUNCH_SHAPES, bench_decode --shapes; "" skips the bench)
