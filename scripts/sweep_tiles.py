@@ -300,7 +300,7 @@ def ab_gqa_prefetch(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch", "ab-gqa-paged",
-                                                             "ab-gqa-splits"])
+                                                             "ab-gqa-splits", "ab-gqa-prefetch"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
