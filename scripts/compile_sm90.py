@@ -81,8 +81,6 @@ def main():
     ap.add_argument("--gqa", action="store_true", help="decode: GQA (D = Dv = 128, separate V, no rope block)")
     ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
-    ap.add_argument("--prefetch", type=int, default=0, metavar="KEYS",
-                    help="decode: PF_KEYS (L2 prefetch of the first KEYS keys before seq_lens is read)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
     ap.add_argument("--dedicated", type=int, default=0,
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
@@ -125,9 +123,6 @@ def main():
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged,
                      HAS_K2=not args.gqa, V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1)
-        const.update(PF_KEYS=0, PF_LINES=1, PF_LINE=64)
-        if args.prefetch:
-            const.update(PF_KEYS=args.prefetch, PF_LINES=(max(dims["D1"], dims["DV"]) * 2 + 127) // 128, PF_LINE=64)
         if args.fused:
             rows, chunk = map(int, args.fused.split(","))
             const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)

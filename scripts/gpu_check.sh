@@ -3,8 +3,6 @@
 #   bash scripts/gpu_check.sh [OUTDIR]      (default OUTDIR: $OUT, else ./gpu_check_out)
 #   ONLY=gluon bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's tests and variant bench only
 #   ONLY=pair bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's head pairs (GQA): tests and bench
-#   ONLY=prefetch bash scripts/gpu_check.sh [OUTDIR]   the decode kernel's L2 prefetch of its first key tiles:
-#     its GPU tests, then an A/B against no prefetch and SDPA (sweep_tiles.py --only ab-gqa-prefetch)
 #   ONLY=dkdv bash scripts/gpu_check.sh [OUTDIR]   the Gluon dK/dV pass's TMA stores: tests and fwd+bwd bench
 #   ONLY=fusedbwd bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward: its tests, then fwd+bwd against two
 #     passes; the dK/dV pass with fresh descriptors: its tests and bench
@@ -71,13 +69,6 @@ if [ "${ONLY:-}" = pair ]; then
   # Head pairs in the Gluon forward: their tests with the schedules they share code with, then their bench.
   step "gluon forward tests: head pairs, persistent, TMA store" "$(lim 400)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'head_pairs or tma_store or (persistent and not counter)' 2>&1 | tee '$out/gpu_pair_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench gluon head pairs" "$(lim 200)" $PY scripts/bench_attention.py --gluon-pair "$out/bench_gluon_pair.md"
-  echo "gpu_check status: $status"
-  exit $status
-fi
-if [ "${ONLY:-}" = prefetch ]; then
-  # The decode kernel's L2 prefetch of the first key tiles (triton_decode.PREFETCH): its tests, then A/B.
-  step "decode prefetch tests" "$(lim 200)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'prefetch or gqa_decode_bf16 or graph_replay_new_seq' 2>&1 | tee '$out/gpu_prefetch_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  step "A/B prefetch" "$(lim 300)" $PY scripts/sweep_tiles.py --only ab-gqa-prefetch --out "$out/ab_prefetch.json"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -1,7 +1,7 @@
 """Tile / variant sweep on the GPU: times each kernel under alternative configs so the tables in
 triton_fwd.py, triton_bwd.py and triton_decode.py can be chosen from measurements.
 
-    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa|gqa-batch|ab-gqa-paged|ab-gqa-splits|ab-gqa-prefetch] [--out sweep.json]
+    PYTHONPATH=. python3 scripts/sweep_tiles.py [--only attn|mla|gqa|gqa-batch|ab-gqa-paged|ab-gqa-splits] [--out sweep.json]
 
 Every line printed is one measurement: kernel, shape, variant, median ms (triton.testing.do_bench),
 and the rate. Decode variants are timed as CUDA-graph replays (GPU time, no host launch cost).
@@ -243,64 +243,10 @@ def ab_gqa_splits(args):
                         nbytes, "GB/s")
 
 
-def ab_gqa_prefetch(args):
-    """The L2 prefetch of each program's first key tiles (triton_decode.PREFETCH), issued before the seq_lens
-    load that the loop's first loads wait for, on the unsplit contiguous rows where SDPA (which reads no
-    lengths) led: GQA B=32 and B=128, and MLA H=16 at B=128 on the Triton kernel (one split forced).
-    The default tile with and without it, and SDPA; three rounds in rotated order, each a lone graph
-    and a step of an 8-layer graph."""
-    from dataclasses import replace
-
-    from bench_decode import _bench_layers
-
-    from mla_attn.ops.decode import triton_decode as td
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    gen = torch.Generator().manual_seed(3)
-    d = 128
-    for b, hq, hkv, length in [(32, 32, 8, 8192), (128, 64, 8, 4096), (128, 16, 1, 4096)]:
-        torch.cuda.empty_cache()
-        mla = hkv == 1
-        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-        if mla:
-            ql = torch.randn(b, hq, 1, 512, generator=gen).to("cuda", torch.bfloat16)
-            qr = torch.randn(b, hq, 1, 64, generator=gen).to("cuda", torch.bfloat16)
-            buf = torch.randn(b, length, 576, generator=gen).to("cuda", torch.bfloat16)
-            base = td.default_config(hq, 576, 512, torch.bfloat16, mla=True, device=ql.device)
-            nbytes = b * length * 576 * 2
-
-            def call(pf, c=None):
-                c = buf if c is None else c
-                return td.mla_decode(ql, qr, c[..., :512], c[..., 512:], lens, None, 0.1, 1,
-                                     config=replace(base, prefetch=pf))
-            runs = [(f"prefetch {pf}", (lambda pf=pf: call(pf)), (lambda pf=pf: (lambda cc=buf.clone(): call(pf, cc))))
-                    for pf in (False, True)]
-            shape = f"MLA B{b} H{hq} L{length} (1 split)"
-        else:
-            q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
-            k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            base = td.default_config(hq // hkv, d, d, torch.bfloat16, mla=False, device=q.device)
-            nbytes = b * length * hkv * 2 * d * 2
-            runs = [(f"prefetch {pf}", (lambda pf=pf: td.gqa_decode(q, k, v, lens, None, d ** -0.5, None,
-                                                                     config=replace(base, prefetch=pf))),
-                     (lambda pf=pf: (lambda kk=k.clone(), vv=v.clone(): td.gqa_decode(
-                         q, kk, vv, lens, None, d ** -0.5, None, config=replace(base, prefetch=pf)))))
-                    for pf in (False, True)]
-            runs.append(("sdpa", lambda: sdpa(q, k, v, enable_gqa=True),
-                         lambda: (lambda kk=k.clone(), vv=v.clone(): sdpa(q, kk, vv, enable_gqa=True))))
-            shape = f"GQA B{b} {hq}/{hkv} L{length}"
-        for r in range(3):
-            order = runs[r % len(runs):] + runs[:r % len(runs)]
-            for name, fn, make in order:
-                _record("gqa" if not mla else "mla", shape, f"{name} round {r}", lambda: _graph_ms(fn), nbytes, "GB/s")
-                _record("gqa" if not mla else "mla", shape, f"{name} round {r} 8-layer step",
-                        lambda: 1e3 * _bench_layers(make, 8), nbytes, "GB/s")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=["attn", "mla", "gqa", "gqa-batch", "ab-gqa-paged",
-                                                             "ab-gqa-splits", "ab-gqa-prefetch"])
+                                                             "ab-gqa-splits"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -308,8 +254,7 @@ def main():
     t0 = time.time()
     for part in args.only or ["attn", "mla", "gqa"]:
         {"attn": sweep_attn, "mla": sweep_mla, "gqa": sweep_gqa, "gqa-batch": sweep_gqa_batch,
-         "ab-gqa-paged": ab_gqa_paged, "ab-gqa-splits": ab_gqa_splits,
-         "ab-gqa-prefetch": ab_gqa_prefetch}[part](args)
+         "ab-gqa-paged": ab_gqa_paged, "ab-gqa-splits": ab_gqa_splits}[part](args)
         print(f"-- {part} done at {time.time() - t0:.0f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -444,30 +444,6 @@ def test_paged_gqa_wide_rule(monkeypatch):
     assert not f(False, True, 64, td.DecodeConfig(16, 64, 4, 3, 1), 1024, cuda)  # fp32 tiles (64 keys)
 
 
-def test_prefetch_rule(monkeypatch):
-    """The L2 prefetch only where each program's first keys are known before seq_lens is read, and never
-    past the cache's capacity: a power of two <= capacity, the pipeline's first loads at most."""
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    cfg = td.DecodeConfig(16, 128, 4, 3, 1, prefetch=True)
-    unit = (1 << 20, 128, 1 << 16, 1)
-    f = td._prefetch_keys
-    assert f(cfg, cuda, False, False, 1, 8192, unit, unit, False) == 256  # 2 tiles of 128 keys
-    assert f(cfg, cuda, False, False, 1, 200, unit, unit, False) == 128  # capacity 200: never past it
-    assert f(cfg, cuda, False, False, 1, 100, unit, unit, False) == 64
-    assert f(cfg, cuda, False, False, 1, 8, unit, unit, False) == 0  # too few keys to bother
-    assert f(cfg, cuda, False, False, 1, 8192, unit, None, True) == 256  # MLA: the value is K1
-    assert f(cfg, cuda, False, False, 2, 8192, unit, unit, False) == 0  # split: later intervals need seq_len
-    assert f(cfg, cuda, True, False, 1, 8192, unit, unit, False) == 0  # paged: pages need the block table
-    assert f(cfg, cuda, False, True, 1, 8192, unit, unit, False) == 0  # balanced
-    assert f(cfg, cpu, False, False, 1, 8192, unit, unit, False) == 0  # the interpreter has no inline asm
-    assert f(cfg, cuda, False, False, 1, 8192, (1 << 20, 256, 1 << 16, 2), unit, False) == 0  # strided rows
-    assert f(td.DecodeConfig(16, 128, 4, 3, 1, prefetch=False), cuda, False, False, 1, 8192, unit, unit, False) == 0
-    monkeypatch.setattr(td, "PREFETCH", False)
-    assert f(td.DecodeConfig(16, 128, 4, 3, 1), cuda, False, False, 1, 8192, unit, unit, False) == 0
-    monkeypatch.setattr(td, "PREFETCH", True)
-    assert f(td.DecodeConfig(16, 128, 4, 3, 1), cuda, False, False, 1, 8192, unit, unit, False) == 256
-
-
 # ----------------------------------------------------------------------------------------------
 # Split heuristic (pure Python)
 
@@ -596,32 +572,6 @@ def test_heuristic_splits_match_single_split_gpu():
     _check(o_h, lse_h, ref_o, ref_lse, o_1, BF16)  # the split result is as close as the unsplit one (2x)
     assert_close(o_h, o_1.double(), floor=dtype_floor(BF16))
     assert (lse_h - lse_1).abs().max().item() <= 1e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gqa", "gqa-short", "mla16"])
-def test_prefetch_same_answer_gpu(kind):
-    """The L2 prefetch changes no value: bitwise the same output as without it, and within the oracle's
-    tolerance, with NaN in every cache slot past each sequence's length (the prefetch reads up to 256
-    keys whatever the length), lengths 0 and 1, a capacity under the prefetch window ("short")."""
-    if kind == "mla16":
-        lens = [3000, 0, 1, 777] * 4
-        ql, qr, c, kr, seq_lens, _ = _mla_inputs(len(lens), 16, 512, 64, 1, lens, None, BF16)
-        run = lambda pf: td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.1, 1,
-                                       config=td.DecodeConfig(16, 64, 4, 3, 1, prefetch=pf))
-        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.1)
-        base = _lowp_mla(ql, qr, c, kr, seq_lens, None, 0.1)
-    else:
-        lens = [100, 0, 1, 77] * 8 if kind == "gqa-short" else [3000, 0, 1, 777, 4096, 129, 255, 256] * 4
-        q, k, v, seq_lens, _ = _gqa_inputs(len(lens), 32, 8, 128, 128, 1, lens, None, BF16)
-        run = lambda pf: td.gqa_decode(q, k, v, seq_lens, None, 128 ** -0.5, 1,
-                                       config=td.DecodeConfig(16, 128, 4, 3, 1, prefetch=pf))
-        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, scale=128 ** -0.5)
-        base = _lowp_gqa(q, k, v, seq_lens, None, 128 ** -0.5)
-    o_pf, lse_pf = run(True)
-    o_no, lse_no = run(False)
-    _check(o_pf, lse_pf, ref_o, ref_lse, base, BF16)
-    assert torch.equal(o_pf, o_no) and torch.equal(lse_pf, lse_no)
 
 
 @pytest.mark.gpu

@@ -204,19 +204,6 @@ def _attend(
 
 
 @triton.jit
-def _prefetch_l2(BASE, stride_t, D: tl.constexpr, KEYS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for keys [0, KEYS) of one head's cache rows (row j at BASE + j * stride_t, D contiguous
-    elements): one ``prefetch.global.L2`` per 128-byte line (LINE elements), LINES lines a row. A hint that
-    loads nothing into registers and waits for nothing; every address lies inside the cache's capacity."""
-    o_k = tl.arange(0, KEYS)
-    o_c = tl.arange(0, LINES) * LINE
-    ptrs = BASE + o_k[:, None] * stride_t + o_c[None, :]
-    ptrs = tl.where((o_c < D)[None, :], ptrs, BASE)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_kernel(
     Q1, Q2, K1, K2, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
     OF, LSEF, TICKETS,  # FUSED: the final o [B, H, S, DV] and lse [B, H, S] (contiguous), int32 tickets
@@ -247,8 +234,6 @@ def _decode_kernel(
     FUSED: tl.constexpr = False,  # the last split of each row tile to finish merges them (no combine launch)
     MERGE_ROWS: tl.constexpr = 1,  # FUSED: a power of two >= the tile's live rows, <= BLOCK_H
     MERGE_CHUNK: tl.constexpr = 1,  # FUSED: parts merged per step
-    PF_KEYS: tl.constexpr = 0,  # > 0: prefetch keys [0, PF_KEYS) of K1 and V into L2 before seq_lens is read
-    PF_LINES: tl.constexpr = 1, PF_LINE: tl.constexpr = 64,  # 128-byte lines a row, elements a line
 ):
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent; BALANCED: b = 0
     pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
@@ -291,16 +276,6 @@ def _decode_kernel(
             i_b += 1
     else:
         i_b = i_bk // num_kv_heads
-        if PF_KEYS > 0:
-            # Contiguous cache, one split (every interval starts at key 0), capacity >= PF_KEYS: the first
-            # tiles' addresses do not depend on seq_len, but the loop's first loads wait for it. The
-            # prefetch starts their DRAM reads while the seq_lens load is in flight (SDPA reads no lengths).
-            i_b64p = i_b.to(tl.int64)
-            _prefetch_l2(K1 + i_b64p * stride_k1o + i_kvh.to(tl.int64) * stride_k1h, stride_k1t, D1, PF_KEYS,
-                         PF_LINES, PF_LINE)
-            if not V_IS_K1:
-                _prefetch_l2(V + i_b64p * stride_vo + i_kvh.to(tl.int64) * stride_vh, stride_vt, DV, PF_KEYS,
-                             PF_LINES, PF_LINE)
         seq_len = tl.load(SEQ_LENS + i_b)
         # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
         split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -344,7 +319,6 @@ class DecodeConfig:
     num_stages: int
     ctas_per_sm: int = 1  # how many programs one SM is expected to hold (for the split heuristic)
     unchain: bool | None = None  # UNCHAIN in the kernel; None: when the rows span two warpgroups (8 warps)
-    prefetch: bool | None = None  # PF_KEYS in the kernel where it applies (_prefetch_keys); None: PREFETCH
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -411,27 +385,6 @@ def _use_balanced(mla: bool, rows: int, batch: int, columns: int, slots: int) ->
     if BALANCE is not None:
         return BALANCE
     return mla and rows > 32 and batch * columns * 10 >= slots * 9
-
-
-# L2 prefetch of each program's first key tiles (PF_KEYS in the kernel): issued before the seq_lens load
-# that the loop's first loads wait for. Only where the first tiles' addresses are known without seq_len:
-# a contiguous cache, one split, rows of contiguous elements. MLA_ATTN_DECODE_PREFETCH=1 turns it on.
-PREFETCH = os.environ.get("MLA_ATTN_DECODE_PREFETCH", "0") == "1"
-
-
-def _prefetch_keys(cfg: DecodeConfig, device: torch.device, paged: bool, balanced: bool, num_splits: int,
-                   capacity: int, k1_strides, v_strides, v_is_k1: bool) -> int:
-    """PF_KEYS for this call: the keys of the pipeline's first loads (a power of two, at most the cache's
-    capacity, so that every prefetched address lies inside the cache), or 0 for no prefetch."""
-    on = PREFETCH if cfg.prefetch is None else cfg.prefetch
-    if not on or device.type != "cuda" or torch.version.hip or paged or balanced or num_splits != 1:
-        return 0
-    if k1_strides[3] != 1 or (not v_is_k1 and v_strides[3] != 1):
-        return 0
-    keys = min(cfg.block_n * max(1, cfg.num_stages - 1), capacity)
-    if keys < 16:
-        return 0
-    return 1 << (keys.bit_length() - 1)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
@@ -592,7 +545,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, PREFETCH)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -665,8 +618,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
 
     def run(c: DecodeConfig) -> Launch:
         block_n = _tile_keys(c.block_n, paged, page_size)
-        pf_keys = _prefetch_keys(c, device, paged, balanced, num_splits, capacity, k1_strides, v_strides, v is None)
-        line = 128 * 8 // torch.finfo(q1.dtype).bits  # elements in a 128-byte line
         launch = Launch(
             _decode_kernel, grid,
             (*(Slot(i) for i in range(len(values))),
@@ -686,8 +637,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
                 BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
                 **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
-                **(dict(PF_KEYS=pf_keys, PF_LINES=next_pow2(cdiv(max(d1, d_v), line)), PF_LINE=line)
-                   if pf_keys else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
