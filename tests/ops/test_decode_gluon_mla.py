@@ -279,3 +279,57 @@ def test_gluon_mla_plan_keeps_no_tensor_alive(rebase, monkeypatch):
     refs = make_and_run()
     gc.collect()
     assert all(r() is None for r in refs), "a launch plan kept an input tensor alive"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gm.AVAILABLE), reason="needs a Hopper GPU and Gluon's warp_specialize")
+@pytest.mark.parametrize("page,splits", [(None, None), (64, 3)], ids=lambda x: str(x))
+def test_op_replays_gluon_plan_without_router_checks(page, splits, monkeypatch):
+    """Through the public op, a call whose key has a Gluon plan replays it before the router's checks
+    (gluon_mla.replay): the checks do not run, the result is bitwise the unplanned call's and matches the
+    oracle with new queries and lengths; with the Gluon kernel switched off no plan is replayed."""
+    from mla_attn.ops import _launch
+
+    calls = _spy(monkeypatch)
+    lens = [3000, 1, 0]
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 128, 512, 64, 1, lens, page, BF16, seed=11)
+    ql, qr = ql.squeeze(2), qr.squeeze(2)
+
+    def op():
+        return decode_ops.mla_decode(ql, qr, c, kr, seq_lens, scale=0.1, block_table=table, num_splits=splits,
+                                     return_lse=True, impl="triton")
+
+    op()  # plans
+    assert calls == [1] and len(gm._plans) == 1
+    takes, supported = td._gluon_mla_takes, gm.supported
+
+    def checked(*a, **k):
+        raise AssertionError("the router's checks ran for a call with a plan")
+
+    monkeypatch.setattr(td, "_gluon_mla_takes", checked)
+    monkeypatch.setattr(gm, "supported", checked)
+    for new_lens in ([2000, 0, 5], [1, 3000, 64]):
+        seq_lens = torch.tensor(new_lens, dtype=torch.int32, device="cuda")
+        ql = torch.randn_like(ql)
+        o, lse = op()
+        monkeypatch.setattr(_launch, "FAST", False)  # the same call, decided and launched anew
+        monkeypatch.setattr(td, "_gluon_mla_takes", takes)
+        monkeypatch.setattr(gm, "supported", supported)
+        o_jit, lse_jit = op()
+        monkeypatch.setattr(_launch, "FAST", True)
+        monkeypatch.setattr(td, "_gluon_mla_takes", checked)
+        monkeypatch.setattr(gm, "supported", checked)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_jit) and torch.equal(lse, lse_jit)
+        q4, r4 = ql.unsqueeze(2), qr.unsqueeze(2)
+        ref_o, ref_lse = mla_decode_oracle(q4, r4, c, kr, seq_lens, scale=0.1, block_table=table)
+        _check(o.unsqueeze(2), lse.unsqueeze(2), ref_o, ref_lse, _lowp_mla(q4, r4, c, kr, seq_lens, table, 0.1), BF16)
+    assert calls == [1, 1, 1]  # only the unplanned calls reached mla_decode_gluon
+    monkeypatch.setattr(td, "GLUON_MLA", False)
+    monkeypatch.setattr(td, "_gluon_mla_takes", takes)
+    monkeypatch.setattr(gm, "replay", checked)
+    o, lse = op()  # the Triton kernel
+    ref_o, ref_lse = mla_decode_oracle(ql.unsqueeze(2), qr.unsqueeze(2), c, kr, seq_lens, scale=0.1, block_table=table)
+    _check(o.unsqueeze(2), lse.unsqueeze(2), ref_o, ref_lse,
+           _lowp_mla(ql.unsqueeze(2), qr.unsqueeze(2), c, kr, seq_lens, table, 0.1), BF16)
+    assert calls == [1, 1, 1]

@@ -896,6 +896,26 @@ def _round_splits(splits: int, programs: int, num_sms: int) -> int:
     return up if programs * up <= num_sms else splits // _MAX_CHUNK * _MAX_CHUNK
 
 
+def plan_key(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, num_splits):
+    """The key of a default-schedule call's plan: every tensor's shape, strides, dtype, device and alignment
+    (what :func:`supported` and the launch decide from), the split count asked for, and the switches read."""
+    return (tensor_key(q_latent), tensor_key(q_rope), tensor_key(kv_latent), tensor_key(k_rope),
+            tensor_key(seq_lens), tensor_key(block_table), num_splits, S_ONCE, PV_FIRST, DEDICATED, SMALL_PAGES,
+            SMALL_HEADS)
+
+
+def replay(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float, num_splits):
+    """``(o, lse)`` from the plan of an earlier call with this key, or None when there is none. A plan is
+    made only for a call that :func:`supported` took, and its key fixes everything that decided that,
+    so the op's router may ask here first and skip its own checks (eager batch-1 decode is host-bound)."""
+    if not _fast.enabled() or q_rope is None or k_rope is None:
+        return None
+    plan = _plans.get(plan_key(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, num_splits))
+    if plan is None:
+        return None
+    return plan.run(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale)
+
+
 def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: float,
                      num_splits: int | None = None, *, stages: int = 2, consumer_regs: int = 232, maxnreg: int = 168,
                      checked: bool = False, s_once: bool | None = None, trace: torch.Tensor | None = None,
@@ -921,9 +941,7 @@ def mla_decode_gluon(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table,
                 and pv_first is None and dedicated is None)
     key = None
     if defaults and _fast.enabled():
-        key = (tensor_key(q_latent), tensor_key(q_rope), tensor_key(kv_latent), tensor_key(k_rope),
-               tensor_key(seq_lens), tensor_key(block_table), num_splits, S_ONCE, PV_FIRST, DEDICATED, SMALL_PAGES,
-               SMALL_HEADS)
+        key = plan_key(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, num_splits)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale)

@@ -749,6 +749,13 @@ def mla_decode(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale
     if q_latent.dim() == 3:
         q_latent = q_latent.unsqueeze(2)
         q_rope = None if q_rope is None else q_rope.unsqueeze(2)
+    if config is None and GLUON_MLA and q_latent.is_cuda:
+        from . import gluon_mla
+
+        if gluon_mla.S_ONCE:  # the router takes every supported call: a plan of this key was one
+            out = gluon_mla.replay(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale, num_splits)
+            if out is not None:
+                return out
     if config is None and _gluon_mla_takes(q_latent, q_rope, kv_latent, k_rope, block_table, num_splits):
         from .gluon_mla import mla_decode_gluon
 
