@@ -908,7 +908,9 @@ def replay(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, scale: fl
     """``(o, lse)`` from the plan of an earlier call with this key, or None when there is none. A plan is
     made only for a call that :func:`supported` took, and its key fixes everything that decided that,
     so the op's router may ask here first and skip its own checks (eager batch-1 decode is host-bound)."""
-    if not _fast.enabled() or q_rope is None or k_rope is None:
+    if not _fast.enabled() or q_rope is None or k_rope is None or q_latent.shape[-1] != DC:
+        return None
+    if q_latent.shape[1] % BLOCK_H and not SMALL_HEADS:  # no plan can exist: spare the Triton kernel's calls a key
         return None
     plan = _plans.get(plan_key(q_latent, q_rope, kv_latent, k_rope, seq_lens, block_table, num_splits))
     if plan is None:
