@@ -308,7 +308,7 @@ def test_op_replays_gluon_plan_without_router_checks(page, splits, monkeypatch):
 
     monkeypatch.setattr(td, "_gluon_mla_takes", checked)
     monkeypatch.setattr(gm, "supported", checked)
-    for new_lens in ([2000, 0, 5], [1, 3000, 64]):
+    for new_lens in ([2000, 0, 0], [64, 1, 0]):  # within the lengths the cache holds (NaN past them)
         seq_lens = torch.tensor(new_lens, dtype=torch.int32, device="cuda")
         ql = torch.randn_like(ql)
         o, lse = op()
