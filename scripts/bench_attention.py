@@ -360,6 +360,26 @@ def bench_gluon_persistent(out=None):
     ], rounds=5)
 
 
+def bench_fwd_192(out=None):
+    """The Gluon forward at Dqk 192 (the MLA prefill rows), against the grid in use there: the persistent
+    schedule with 4 stages stores O directly (no shared memory left for a buffer of its own), with 3 stages
+    it has room for one and stores O by TMA; the grid with 3 stages separates the ring's depth from the
+    schedule. Also a shorter MLA row (L 1024), where a block's fixed cost weighs more."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    def variant(**kw):
+        return lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
+
+    rows = [r for r in ROWS if r[4] == 192] + [(8, 128, 128, 1024, 192, 128)]
+    _bench_forward_variants(out, "variant", [
+        ("grid, 3 stages", variant(persistent=False, stages=3)),
+        ("persistent snake, 4 stages (O direct)", variant(persistent=True, schedule=1)),
+        ("persistent snake, 3 stages (O by TMA)", variant(persistent=True, schedule=1, stages=3)),
+        ("persistent snake + S_1 early, 3 stages (O by TMA)", variant(persistent=True, schedule=1, stages=3,
+                                                                      s1_early=True)),
+    ], rounds=5, rows=rows)
+
+
 def bench_gluon_pair(out=None):
     """Head pairs (``gluon_fwd.HEAD_PAIR``: a block is 64 rows of each of two query heads sharing a KV head) against
     one-head blocks, in the persistent schedule (in use at d 128) and the grid, on GQA rows: the benchmark's
@@ -581,6 +601,7 @@ def main(argv=None):
     ap.add_argument("--gluon-persistent", metavar="OUT",
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
+    ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
     ap.add_argument("--dkdv-fresh", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's descriptors fresh or held")
@@ -592,7 +613,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

@@ -8,6 +8,8 @@
 #     passes; the dK/dV pass with fresh descriptors: its tests and bench
 #   ONLY=fusedbulk bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward with dQ out by TMA reduce-add:
 #     tests, probe, fwd+bwd against two passes
+#   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
+#     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
 #     backward's per-kernel times (scripts/profile_attention_bwd.py)
 #   ONLY=host bash scripts/gpu_check.sh [OUTDIR]   the host side of a training step: launches, cProfile
@@ -69,6 +71,14 @@ if [ "${ONLY:-}" = pair ]; then
   # Head pairs in the Gluon forward: their tests with the schedules they share code with, then their bench.
   step "gluon forward tests: head pairs, persistent, TMA store" "$(lim 400)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'head_pairs or tma_store or (persistent and not counter)' 2>&1 | tee '$out/gpu_pair_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench gluon head pairs" "$(lim 200)" $PY scripts/bench_attention.py --gluon-pair "$out/bench_gluon_pair.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = fwd192 ]; then
+  # Session 28: the Gluon forward's schedules at Dqk 192 (persistent with 3 stages has room to store O by TMA),
+  # then the one-pass backward's probe with its bulk adds unordered and its counters without adds (timing only).
+  step "bench forward at Dqk 192" "$(lim 240)" $PY scripts/bench_attention.py --fwd-192 "$out/bench_fwd_192.md"
+  step "probe fused backward" "$(lim 200)" $PY scripts/probe_fused_bwd.py --out "$out/probe_fused_bwd.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -1,7 +1,8 @@
 """Where the one-pass backward's time goes (gluon_bwd_fused.py), on the H200.
 
-Times the fused kernel alone at three tile choices (rows a step, ring stages), with its dQ out in order
-(DQ_MODE 0) and in the diagnostic modes (the kernel's DQ_MODE comment), with dQ_j out by TMA (bulk),
+Times the fused kernel alone at two tile choices (rows a step, ring stages), with its dQ out in order
+(DQ_MODE 0) and in the diagnostic modes (the kernel's DQ_MODE comment), with dQ_j out by TMA (bulk; also
+its adds unordered, and its counters without the adds),
 against the two-pass backward's kernels alone (the Gluon dK/dV pass, the Triton dQ pass), on causal
 bf16 rows. Each time a do_bench median; TFLOP/s count the backward's 2.5 x forward FLOPs.
 
@@ -55,6 +56,10 @@ def main(argv=None):
             q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True))
         add("fused, rows 64, stages 2, bulk + cast pass", lambda: gluon_bwd_fused.bwd_fused_gluon(
             q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True, cast=True))
+        # Timing only (wrong dq): the TMA adds unordered (2), the counters in order without the adds (3).
+        for mode in (2, 3):
+            add(f"fused, rows 64, stages 2, bulk + cast pass, DQ_MODE {mode}", lambda m=mode: gluon_bwd_fused.bwd_fused_gluon(
+                q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True, cast=True, dq_mode=m))
         add("two-pass: Gluon dK/dV pass alone", lambda: gluon_bwd.dkdv_gluon(
             q, k, v, do, lse, delta, dk, dv, causal=True, scale=scale))
         add("two-pass: whole backward (flash_attn_bwd, fused off)", lambda: triton_bwd.flash_attn_bwd(
