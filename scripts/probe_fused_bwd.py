@@ -56,8 +56,9 @@ def main(argv=None):
             q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True))
         add("fused, rows 64, stages 2, bulk + cast pass", lambda: gluon_bwd_fused.bwd_fused_gluon(
             q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True, cast=True))
-        # Timing only (wrong dq): the TMA adds unordered (2), the counters in order without the adds (3).
-        for mode in (2, 3):
+        # Timing only (wrong dq): the TMA adds unordered (2), the counters in order without the adds (3), the adds
+        # unordered with only their buffer's read waited for (5).
+        for mode in (2, 3, 5):
             add(f"fused, rows 64, stages 2, bulk + cast pass, DQ_MODE {mode}", lambda m=mode: gluon_bwd_fused.bwd_fused_gluon(
                 q, k, v, do, lse, delta, dq, dk, dv, causal=True, scale=scale, bulk=True, cast=True, dq_mode=m))
         add("two-pass: Gluon dK/dV pass alone", lambda: gluon_bwd.dkdv_gluon(

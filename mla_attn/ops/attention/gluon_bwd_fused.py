@@ -172,7 +172,8 @@ if AVAILABLE:
         # (no waits: not deterministic); 4 no dQ out and no counters (the products and dQ_j into shared memory).
         # Session 21 also timed 1 (ordered load-add-store), 3 (counters, no adds), 5 (2 without counters):
         # docs/benchmarks.md. With BULK: 2 the TMA adds in any order (wrong dq: timing only), 3 the counters in
-        # order without the TMA store / adds (wrong dq: timing only).
+        # order without the TMA store / adds (wrong dq: timing only), 5 as 2 but waiting only for the previous
+        # step's buffer to be read, not for its adds to complete (no counters; timing only).
         # DQACC: fp32 [B * H * m_tiles * BLOCK_M, D_QK], row tile (b, h, r) at rows ((b * H + h) * m_tiles
         # + r) * BLOCK_M; SEM: int32 [B * H * m_tiles], zero at launch.
         n_kb = gl.num_programs(0)
@@ -354,11 +355,16 @@ if AVAILABLE:
                             _tma_store(dqacc_desc, [tile * BLOCK_M, 0], dq_smem)
                         else:
                             _tma_reduce_add(dqacc_desc, [tile * BLOCK_M, 0], dq_smem)
-                    # The previous step's tile is in (waited for by the thread that issued it), its buffer free.
-                    done = _bulk_wait(prev_tile, 1)
-                    _thread_barrier()
-                    if done >= 0:
-                        gl.atomic_add(SEM + done, 1, sem="release")
+                    if DQ_MODE == 5:  # timing: the previous step's buffer read, not its adds complete
+                        tma.store_wait(1)
+                        _thread_barrier()
+                    else:
+                        # The previous step's tile is in (waited for by the thread that issued it), its buffer
+                        # free.
+                        done = _bulk_wait(prev_tile, 1)
+                        _thread_barrier()
+                        if done >= 0:
+                            gl.atomic_add(SEM + done, 1, sem="release")
                     prev_tile = tile
             else:
                 if DQ_MODE != 4:
@@ -447,7 +453,7 @@ def bwd_fused_gluon(q, k, v, do, lse, delta, dq, dk, dv, *, causal: bool, scale:
         extra = {"dk_desc": desc(dk.view(b * hk * n, d_qk), block_n, d_qk),
                  "dv_desc": desc(dv.view(b * hk * n, d_v), block_n, d_v), "TMA_STORE": True}
     if bulk:  # dQ_j out by TMA store / reduce-add from a double buffer
-        assert block_m >= 64 and dq_mode in (0, 2, 3), "bulk: 64-row tiles; DQ_MODE 0, or 2 / 3 to time"
+        assert block_m >= 64 and dq_mode in (0, 2, 3, 5), "bulk: 64-row tiles; DQ_MODE 0, or 2 / 3 / 5 to time"
         smem += 4 * block_m * d_qk
         extra["dqacc_desc"] = TensorDescriptor.from_tensor(
             dqacc, [block_m, d_qk], gl.NVMMASharedLayout.get_default_for([block_m, d_qk], gl.float32))
