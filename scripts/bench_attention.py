@@ -363,9 +363,8 @@ def bench_gluon_persistent(out=None):
 def bench_fwd_192(out=None):
     """The Gluon forward at Dqk 192 (the MLA prefill rows), against the grid in use there: the persistent
     schedule with 4 stages stores O directly (no shared memory left for a buffer of its own), with 3 stages
-    it has room for one and stores O by TMA, and with 4 stages and ``o_via_q`` O leaves by TMA through Q's
-    buffer (the next block's first Q columns load after it); the grid with 3 stages separates the ring's depth
-    from the schedule. Also a shorter MLA row (L 1024), where a block's fixed cost weighs more."""
+    it has room for one and stores O by TMA; the grid with 3 stages separates the ring's depth from the
+    schedule. Also a shorter MLA row (L 1024), where a block's fixed cost weighs more."""
     from mla_attn.ops.attention import gluon_fwd
 
     def variant(**kw):
@@ -378,10 +377,6 @@ def bench_fwd_192(out=None):
         ("persistent snake, 3 stages (O by TMA)", variant(persistent=True, schedule=1, stages=3)),
         ("persistent snake + S_1 early, 3 stages (O by TMA)", variant(persistent=True, schedule=1, stages=3,
                                                                       s1_early=True)),
-        ("persistent snake, 4 stages, O by TMA through Q's buffer", variant(persistent=True, schedule=1,
-                                                                            o_via_q=True)),
-        ("persistent snake + S_1 early, 4 stages, O through Q's buffer", variant(persistent=True, schedule=1,
-                                                                                 o_via_q=True, s1_early=True)),
     ], rounds=5, rows=rows)
 
 

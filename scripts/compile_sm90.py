@@ -100,7 +100,6 @@ def main():
     ap.add_argument("--cast", action="store_true", help="gluon_fused --bulk: CAST (key block 0 adds too; a cast kernel writes dq)")
     ap.add_argument("--full", action="store_true", help="fwd / gluon: not causal")
     ap.add_argument("--persistent", action="store_true", help="gluon: PERSISTENT (experimental)")
-    ap.add_argument("--o-via-q", action="store_true", help="gluon --persistent --tma-store: O_VIA_Q (O out through Q's buffer)")
     ap.add_argument("--q-in-regs", action="store_true", help="gluon: Q_IN_REGS (the scores' A operand in registers)")
     ap.add_argument("--token-major", action="store_true", help="gluon: TOKEN_MAJOR ([B, L, H, D] inputs in place)")
     ap.add_argument("--rows", type=int, default=64, help="gluon_mla --s-once --dedicated 1: ROWS, heads < 64 (SMALL_HEADS)")
@@ -166,7 +165,6 @@ def main():
         const["S1_EARLY"] = args.s1_early
         const["TAIL"] = args.tail
         const["PAIR"] = args.pair
-        const["O_VIA_Q"] = args.o_via_q
         if args.tma_store:  # the output stored by TMA through Q's buffer
             ptrs["o_desc"] = desc(qa, args.dv)
             const["TMA_STORE"] = True

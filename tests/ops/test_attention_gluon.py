@@ -96,34 +96,6 @@ def test_gluon_forward_tail_experimental(case, persistent, monkeypatch):
     _check(*case, torch.bfloat16, case[6] <= 128, q_in_regs=case[5] <= 192, persistent=persistent, tail=True)
 
 
-# Dqk 192 (split 128 + 64) in the persistent schedule: one block, ~3 blocks a program (288 blocks), M > N, a
-# cached prefix with a partial last block (stored directly), GQA with ~2-4 blocks a program; head pairs where the
-# group is even.
-VIA_Q_CASES = [c for c in PERSISTENT_CASES if c[5] == 192] + [(1, 4, 1, 257, 511, 192, 128, True),
-                                                              (2, 4, 4, 130, 65, 192, 128, True),
-                                                              (2, 16, 4, 1024, 1024, 192, 128, True)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
-@pytest.mark.parametrize("case, pair", [(c, p) for c in VIA_Q_CASES for p in (False, True)
-                                         if not p or (c[1] // c[2]) % 2 == 0],
-                         ids=lambda x: ("pair" if x else "one-head") if isinstance(x, bool) else
-                         "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
-def test_gluon_forward_persistent_o_via_q(case, pair, monkeypatch):
-    """O_VIA_Q forced on (the persistent schedule at 192/128 storing O by TMA through Q's buffer, the next
-    block's first Q columns loaded after that store): against the float64 oracle with outputs starting NaN,
-    and bit for bit the persistent schedule's direct stores (S_1 early off in both, so only the stores and the
-    order of Q's loads differ)."""
-    b, hq, hkv, m, n, dqk, dv, causal = case
-    _poison_outputs(monkeypatch)
-    _check(*case, torch.bfloat16, True, q_in_regs=True, persistent=True, schedule=1, pair=pair, o_via_q=True)
-    q, k, v, _ = _seeded_qkv(case, False, 11)
-    outs = [gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5, persistent=True, s1_early=False,
-                                      pair=pair, o_via_q=on) for on in (True, False)]
-    _assert_same_outputs(*outs)
-
-
 # GQA with an even group (head pairs): a partial last strip (M 1023: its rows stored directly), M > N (rows
 # that see no key), a cached prefix, one row, MQA with Dqk split 128 + 64, groups of 2 and 4, and a batch of
 # more blocks than SMs.
@@ -246,14 +218,14 @@ def test_gluon_forward_s1_early_experimental(case):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
-           s1_early=None, tail=None, pair=None, **kw):
+           s1_early=None, tail=None, pair=None):
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
     o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
                                        persistent=persistent, schedule=schedule, s1_early=s1_early, tail=tail,
-                                       pair=pair, **kw)
+                                       pair=pair)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32

@@ -147,11 +147,6 @@ TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 # 449 TFLOP/s (+2.6%), 4 x 32/8 x 4096 +0.4%, 16 x 16/8 x 1024 +5.5%; the grid +4-7%. "auto" (default): causal
 # GQA with an even group; "1": every even group; "0": never. MLA_ATTN_GLUON_HEAD_PAIR overrides.
 HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "auto")
-# The persistent schedule where O has no shared-memory buffer of its own (192/128 at 4 stages): "1" stores O by
-# TMA through Q's buffer and loads the next block's first Q columns only after that store has read it (the other
-# loads of the next block still go out before the epilogue); "0" stores O directly from registers. EXPERIMENTAL
-# (session 28): "0" until the H200 has timed it. MLA_ATTN_GLUON_O_VIA_Q overrides ("auto": wherever Dqk is split).
-O_VIA_Q = os.environ.get("MLA_ATTN_GLUON_O_VIA_Q", "0")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -332,37 +327,30 @@ if AVAILABLE:
     @gluon.jit
     def _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
                      q_row0, q_col0, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     D_QK0: gl.constexpr, SPLIT: gl.constexpr, Q_RH, Q_CH, PAIR: gl.constexpr,
-                     QPART: gl.constexpr = 0):
+                     D_QK0: gl.constexpr, SPLIT: gl.constexpr, Q_RH, Q_CH, PAIR: gl.constexpr):
         """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring. PAIR: Q's descriptor
         is half the block's rows, loaded twice, the second head's (one Q_RH row and Q_CH column further) into
-        the lower half. QPART (O_VIA_Q, the persistent schedule storing O through Q's buffer): 1 all but Q's
-        first D_QK0 columns (q_bar expects them too), 2 only those (issued once O has left q_smem)."""
+        the lower half."""
         if PAIR:
             HALF: gl.constexpr = q_desc.block_type.shape[0]
-            if QPART != 2:
-                if SPLIT:
-                    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q1_desc.block_type.nbytes))
-                    _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem.slice(0, HALF))
-                    _tma_load(q1_desc, [q_row0 + Q_RH, q_col0 + Q_CH + D_QK0], q_bar, q1_smem.slice(HALF, HALF))
-                else:
-                    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            if QPART != 1:
-                _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem.slice(0, HALF))
-                _tma_load(q_desc, [q_row0 + Q_RH, q_col0 + Q_CH], q_bar, q_smem.slice(HALF, HALF))
+            if SPLIT:
+                mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q1_desc.block_type.nbytes))
+                _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem.slice(0, HALF))
+                _tma_load(q1_desc, [q_row0 + Q_RH, q_col0 + Q_CH + D_QK0], q_bar, q1_smem.slice(HALF, HALF))
+            else:
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem.slice(0, HALF))
+            _tma_load(q_desc, [q_row0 + Q_RH, q_col0 + Q_CH], q_bar, q_smem.slice(HALF, HALF))
         else:
-            if QPART != 2:
-                if SPLIT:
-                    mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-                    _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
-                else:
-                    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            if QPART != 1:
-                _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
-        if QPART != 2:
-            for i in gl.static_range(STAGES - 1):
-                _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N,
-                         STAGES, D_QK0, SPLIT)
+            if SPLIT:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
+                _tma_load(q1_desc, [q_row0, q_col0 + D_QK0], q_bar, q1_smem)
+            else:
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
+        for i in gl.static_range(STAGES - 1):
+            _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
+                     D_QK0, SPLIT)
 
     @gluon.jit
     def _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
@@ -608,7 +596,7 @@ if AVAILABLE:
                          Q_IN_REGS: gl.constexpr, TOKEN_MAJOR: gl.constexpr, D_QK0: gl.constexpr,
                          SPLIT: gl.constexpr, SCHEDULE: gl.constexpr, o_desc, o_smem, TMA_STORE: gl.constexpr, BT,
                          BLOCK_TRACE: gl.constexpr, S1_EARLY: gl.constexpr, TAIL_BH, TAIL: gl.constexpr,
-                         PAIR: gl.constexpr, ROWS: gl.constexpr, O_VIA_Q: gl.constexpr = False):
+                         PAIR: gl.constexpr, ROWS: gl.constexpr):
         """PERSISTENT. Program p takes work item p, then the next one from _next_work, in the
         order the non-persistent grid launches its programs. Once a block's key loop is done (every load
         waited for, every wgmma finished), the barriers are re-armed at phase 0 and the next block's Q and
@@ -654,34 +642,16 @@ if AVAILABLE:
             for i in gl.static_range(STAGES):
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
-            if O_VIA_Q:  # all but Q's first columns now: O leaves through their buffer first
-                # (arithmetic only: past the last item its values go unused)
+            if w_next < total:
                 _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
                     w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N,
                     CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL, PAIR)
-                if w_next < total:
-                    _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                                 q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT,
-                                 Q_RH, Q_CH, PAIR, 1)
-            else:
-                if w_next < total:
-                    _, _, _, nq_row0, nq_col0, nkv_row0, nn_tiles = _work(
-                        w_next, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, ROWS, BLOCK_N,
-                        CAUSAL, TOKEN_MAJOR, BH, TAIL_BH, TAIL, PAIR)
-                    _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                                 q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT,
-                                 Q_RH, Q_CH, PAIR)
+                _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
+                             q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH,
+                             Q_CH, PAIR)
             _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * ROWS, M, stride_ob, stride_oh, stride_om,
-                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, o_smem, H, TMA_STORE,
-                            not O_VIA_Q, PAIR, row_s)
-            if O_VIA_Q:
-                # The store's read of q_smem is done (waited for in the epilogue by the thread that issued it):
-                # every thread past that wait, then the next block's first Q columns.
-                _thread_barrier()
-                if w_next < total:
-                    _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem,
-                                 q_bar, bars, nq_row0, nq_col0, nkv_row0, nn_tiles, BLOCK_N, STAGES, D_QK0, SPLIT,
-                                 Q_RH, Q_CH, PAIR, 2)
+                            stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, o_smem, H, TMA_STORE, True,
+                            PAIR, row_s)
             if BLOCK_TRACE:
                 _block_stamp(BT, w * 9, 6)
             w = w_next
@@ -702,7 +672,7 @@ if AVAILABLE:
         TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr, TR=None, TRACE: gl.constexpr = False,
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
         o_desc=None, TMA_STORE: gl.constexpr = False, SCHEDULE: gl.constexpr = 0, S1_EARLY: gl.constexpr = False,
-        TAIL_BH=0, TAIL: gl.constexpr = False, PAIR: gl.constexpr = False, O_VIA_Q: gl.constexpr = False,
+        TAIL_BH=0, TAIL: gl.constexpr = False, PAIR: gl.constexpr = False,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -756,16 +726,16 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         if PERSISTENT:
-            if TMA_STORE and not O_VIA_Q:  # its own buffer: Q's holds the next block's Q by then
+            if TMA_STORE:  # its own buffer: Q's holds the next block's Q by the time this block's O is stored
                 o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], o_desc.layout)
-            else:  # O_VIA_Q: through Q's first D_QK0 columns (= D_V), whose next load waits for the store
+            else:
                 o_smem = q_smem
             _persistent_loop(q_desc, q1_desc, k_desc, k1_desc, v_desc, O, LSE, qk_scale, M, N, H, HK, Q_RB, Q_RH,
                              Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, stride_ob, stride_oh, stride_om, stride_lb,
                              stride_lh, COUNTER, BH, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, s_layout,
                              o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL,
                              PV_OVERLAP, Q_IN_REGS, TOKEN_MAJOR, D_QK0, SPLIT, SCHEDULE, o_desc, o_smem, TMA_STORE,
-                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL, PAIR, ROWS, O_VIA_Q)
+                             BT, BLOCK_TRACE, S1_EARLY, TAIL_BH, TAIL, PAIR, ROWS)
         else:
             n_tiles = _block_tiles(pid_m, M, N, ROWS, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
@@ -865,7 +835,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
                     persistent: bool | None = None, block_trace: torch.Tensor | None = None,
                     schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None,
-                    pair: bool | None = None, o_via_q: bool | None = None):
+                    pair: bool | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
@@ -879,14 +849,13 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     score tile issued before the first tile's softmax. ``tail`` (None: ``TAIL``; causal only): the last
     heads' row blocks launched length-major (see ``_order``). ``pair`` (None: ``HEAD_PAIR``): blocks of
     block_m / 2 rows from each of two query heads sharing a KV head (GQA with an even group only; see
-    ``HEAD_PAIR``). ``o_via_q`` (None: ``O_VIA_Q``; persistent only): where O has no buffer of its own
-    (192/128), O leaves by TMA through Q's buffer and the next block's first Q columns load after it.
+    ``HEAD_PAIR``).
     """
     key = None
     if _fast.enabled() and (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, trace, persistent, block_trace,
-                            schedule, s1_early, tail, pair, o_via_q) == _DEFAULTS:
+                            schedule, s1_early, tail, pair) == _DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), bool(token_major), PERSISTENT, S1_EARLY,
-               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR, O_VIA_Q)
+               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run_fwd(q, k, v, scale)
@@ -941,15 +910,9 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     # The output leaves by TMA through Q's shared-memory buffer where that buffer has O's block shape; the
     # persistent schedule (Q's buffer holds the next block's Q by then) through a buffer of its own, where
     # shared memory has room for one (d 128: 192 of 227 KB; not 192/128).
-    via_q = False
     if persistent:
         smem = 2 * (block_m * (d0 + d1) + stages * block_n * (d0 + d1 + d_v) + block_m * d_v)
         tma_store = TMA_STORE and smem <= _SMEM_BYTES and o.is_contiguous()
-        if o_via_q is None:
-            o_via_q = O_VIA_Q == "1" or (O_VIA_Q == "auto" and d1 > 0)
-        # Through Q's buffer where O has none of its own (the output's block shape is Q's first columns').
-        via_q = o_via_q and TMA_STORE and not tma_store and d0 == d_v and o.is_contiguous()
-        tma_store = tma_store or via_q
     else:
         tma_store = TMA_STORE and d0 == d_v and o.is_contiguous()
     if tma_store:
@@ -976,8 +939,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         extra = {"BH": units} if tail else {}
     if pair:
         extra["PAIR"] = True
-    if via_q:
-        extra["O_VIA_Q"] = True
     plan.launch = Launch(_flash_fwd_gluon, grid, (
         q_desc, q1_desc, k_desc, k1_desc, v_desc, plan.slot("o"), plan.slot("lse"), plan.slot("scale"), m, n, h, hk,
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
