@@ -592,6 +592,66 @@ def bench_deterministic_peer(out=None):
     _write_table(out, lines)
 
 
+GQA_SWEEP_ROWS = [  # B, Hq, Hkv, L, Dqk, Dv: the GQA row's group grown to MQA, two longer GQA/MQA rows, odd head widths
+    (8, 32, 8, 2048, 128, 128),
+    (8, 32, 4, 2048, 128, 128),
+    (8, 32, 2, 2048, 128, 128),
+    (8, 32, 1, 2048, 128, 128),
+    (2, 64, 8, 4096, 128, 128),
+    (4, 32, 1, 4096, 128, 128),
+    (4, 32, 32, 2048, 64, 64),
+    (4, 32, 32, 2048, 72, 72),
+    (4, 32, 32, 2048, 96, 64),
+]
+
+
+def _row_line(row, r) -> str:
+    b, hq, hkv, n, dqk, dv = row
+    return (f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {r['tf_fwd_ours']:.0f} | {r['tf_fwd_sdpa']:.0f} | "
+            f"{r['tf_fwd_ours'] / r['tf_fwd_sdpa']:.2f} | {r['tf_fwdg_ours']:.0f} / {r['tf_fwdg_sdpa']:.0f} / "
+            f"{r['tf_fwdg_ours'] / r['tf_fwdg_sdpa']:.2f} | {r['tf_fb_ours']:.0f} | {r['tf_fb_sdpa']:.0f} | "
+            f"{r['tf_fb_ours'] / r['tf_fb_sdpa']:.2f} | {r['mem_ours']:.0f} | {r['mem_sdpa']:.0f} |")
+
+
+_TABLE_HEAD = [
+    "| B | Hq/Hkv | L | Dqk/Dv | fwd ours TF/s | fwd SDPA TF/s | fwd ratio | fwd, grad mode: ours / SDPA / ratio "
+    "| fwd+bwd ours TF/s | fwd+bwd SDPA TF/s | fwd+bwd ratio | extra MiB ours | extra MiB SDPA |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _sdpa_kernels(b, hq, hkv, n, dqk, dv) -> str:
+    """The attention kernels one SDPA fwd+bwd launches on this row (names cut short), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = _inputs(b, hq, hkv, n, dqk, dv, grad=True)
+    do = torch.randn(b, hq, n, dv, device="cuda", dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _sdpa(q, k, v, dqk ** -0.5).backward(do)
+        torch.cuda.synchronize()
+    keys = ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "mha", "repeat", "index", "reduce", "sum")
+    names = sorted({e.key for e in prof.key_averages() if any(w in e.key.lower() for w in keys)})
+    return "; ".join(nm[:48] for nm in names[:6]) or "-"
+
+
+def bench_gqa_sweep(out=None):
+    """The main table's columns on rows where SDPA has to repeat KV heads (the GQA row's group grown from 4 to
+    32, i.e. MQA) or handle unusual head widths (64, 72, 96/64): where does ours pass SDPA?"""
+    lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
+             f"SDPA GQA: {'enable_gqa=True' if HAS_GQA else 'KV heads repeated'}", ""] + _TABLE_HEAD
+    lines[-2] = lines[-2] + " SDPA's kernels (fwd+bwd, profiler) |"
+    lines[-1] = lines[-1] + "---|"
+    for row in GQA_SWEEP_ROWS:
+        try:
+            lines.append(_row_line(row, bench_row(*row)) + f" {_sdpa_kernels(*row)} |")
+        except Exception as e:  # a row SDPA or ours cannot run here: report it, go on
+            lines.append(f"| {row[0]} | {row[1]}/{row[2]} | {row[3]} | {row[4]}/{row[5]} | failed: "
+                         f"{type(e).__name__}: {str(e)[:120]} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    _write_table(out, lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the markdown table here")
@@ -601,6 +661,7 @@ def main(argv=None):
     ap.add_argument("--gluon-persistent", metavar="OUT",
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
+    ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
@@ -613,7 +674,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):
@@ -632,19 +693,9 @@ def main(argv=None):
         "",
         "'fwd': under torch.no_grad(); 'fwd, grad mode': inputs that need grad, as in training.",
         "",
-        "| B | Hq/Hkv | L | Dqk/Dv | fwd ours TF/s | fwd SDPA TF/s | fwd ratio | fwd, grad mode: ours / SDPA / ratio "
-        "| fwd+bwd ours TF/s | fwd+bwd SDPA TF/s | fwd+bwd ratio | extra MiB ours | extra MiB SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    ] + _TABLE_HEAD
     for row in ROWS:
-        b, hq, hkv, n, dqk, dv = row
-        r = bench_row(*row)
-        lines.append(
-            f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {r['tf_fwd_ours']:.0f} | {r['tf_fwd_sdpa']:.0f} | "
-            f"{r['tf_fwd_ours'] / r['tf_fwd_sdpa']:.2f} | {r['tf_fwdg_ours']:.0f} / {r['tf_fwdg_sdpa']:.0f} / "
-            f"{r['tf_fwdg_ours'] / r['tf_fwdg_sdpa']:.2f} | {r['tf_fb_ours']:.0f} | {r['tf_fb_sdpa']:.0f} | "
-            f"{r['tf_fb_ours'] / r['tf_fb_sdpa']:.2f} | {r['mem_ours']:.0f} | {r['mem_sdpa']:.0f} |"
-        )
+        lines.append(_row_line(row, bench_row(*row)))
         print(lines[-1], flush=True)
         torch.cuda.empty_cache()
     text = "\n".join(lines) + "\n"
