@@ -630,7 +630,9 @@ def _sdpa_kernels(b, hq, hkv, n, dqk, dv) -> str:
         _sdpa(q, k, v, dqk ** -0.5).backward(do)
         torch.cuda.synchronize()
     keys = ("attn", "attention", "fmha", "flash", "cudnn", "sdpa", "mha", "repeat", "index", "reduce", "sum")
-    names = sorted({e.key for e in prof.key_averages() if any(w in e.key.lower() for w in keys)})
+    evs = [e for e in prof.key_averages() if any(w in e.key.lower() for w in keys)]
+    gpu = [e for e in evs if str(getattr(e, "device_type", "")).endswith("CUDA")]  # kernels, not aten ops
+    names = sorted({e.key for e in gpu or evs})
     return "; ".join(nm[:48] for nm in names[:6]) or "-"
 
 
