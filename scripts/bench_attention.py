@@ -636,6 +636,47 @@ def _sdpa_kernels(b, hq, hkv, n, dqk, dv) -> str:
     return "; ".join(nm[:48] for nm in names[:6]) or "-"
 
 
+def bench_hsplit(out=None, rounds=3):
+    """fwd+bwd with the dK/dV pass's heads split (``gluon_bwd.DKDV_HSPLIT``) off, "auto" and forced 2 / 4 ways,
+    against SDPA, on MQA and large-group rows: every candidate of a row timed ``rounds`` times, the order rotated
+    each round, medians kept."""
+    from mla_attn.ops.attention import gluon_bwd
+
+    rows = [(8, 32, 1, 2048, 128, 128), (4, 32, 1, 4096, 128, 128), (8, 32, 2, 2048, 128, 128),
+            (2, 64, 8, 4096, 128, 128), (4, 32, 1, 4096, 192, 128), (8, 32, 8, 2048, 128, 128)]
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | split: auto chooses | off TF/s | auto | 2 | 4 | SDPA | auto / off | auto / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    old = gluon_bwd.DKDV_HSPLIT
+    try:
+        for row in rows:
+            scale, flops, q, k, v, do = _train_row(*row)
+            cands = {}
+            for name in ("0", "auto", "2", "4"):
+                def run(name=name):
+                    gluon_bwd.DKDV_HSPLIT = name
+                    _ours(q, k, v, scale).backward(do)
+                cands[name] = run
+            cands["sdpa"] = lambda: _sdpa(q, k, v, scale).backward(do)
+            names = list(cands)
+            times = {nm: [] for nm in names}
+            for r in range(rounds):
+                for nm in names[r % len(names):] + names[:r % len(names)]:
+                    times[nm].append(_ms(cands[nm], [q, k, v]))
+            med = {nm: sorted(ts)[len(ts) // 2] for nm, ts in times.items()}
+            gluon_bwd.DKDV_HSPLIT = "auto"
+            hs = gluon_bwd._hsplit(row[0], row[1], row[2], row[3], 128, q.device)
+            tf = {nm: flops / (t * 1e-3) / 1e12 for nm, t in med.items()}
+            b, hq, hkv, n, dqk, dv = row
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {hs} | {tf['0']:.0f} | {tf['auto']:.0f} | "
+                         f"{tf['2']:.0f} | {tf['4']:.0f} | {tf['sdpa']:.0f} | {tf['auto'] / tf['0']:.3f} | "
+                         f"{tf['auto'] / tf['sdpa']:.2f} |")
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        gluon_bwd.DKDV_HSPLIT = old
+    _write_table(out, lines)
+
+
 def bench_gqa_sweep(out=None):
     """The main table's columns on rows where SDPA has to repeat KV heads (the GQA row's group grown from 4 to
     32, i.e. MQA) or handle unusual head widths (64, 72, 96/64): where does ours pass SDPA?"""
@@ -664,6 +705,7 @@ def main(argv=None):
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
+    ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
@@ -676,7 +718,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

@@ -95,6 +95,7 @@ def main():
     ap.add_argument("--block-trace", action="store_true", help="gluon: the block-timeline build (entry / loop / exit stamps)")
     ap.add_argument("--pv-overlap", action="store_true", help="gluon: PV_OVERLAP (P V runs into the next softmax)")
     ap.add_argument("--dq-mode", type=int, default=0, help="gluon_fused: DQ_MODE (0 ordered adds, 2 unordered, 4 no dQ out)")
+    ap.add_argument("--hsplit", type=int, default=1, help="gluon_dkdv: HSPLIT (a KV head's query heads split between programs)")
     ap.add_argument("--fresh-desc", action="store_true", help="gluon_dkdv: FRESH_DESC (K/V descriptors recomputed each step)")
     ap.add_argument("--bulk", action="store_true", help="gluon_fused: BULK (dQ_j out by TMA store / reduce-add)")
     ap.add_argument("--cast", action="store_true", help="gluon_fused --bulk: CAST (key block 0 adds too; a cast kernel writes dq)")
@@ -241,6 +242,7 @@ def main():
         if args.kernel == "gluon_dkdv":
             const["TOKEN_MAJOR"] = args.token_major
             const["FRESH_DESC"] = args.fresh_desc
+            const["HSPLIT"] = args.hsplit
             if args.tma_store:  # dK and dV out by TMA from buffers of their own
                 ptrs.update(dk_desc=desc(b, d0), dv_desc=desc(b, args.dv))
                 if d1:

@@ -8,6 +8,7 @@
 #     passes; the dK/dV pass with fresh descriptors: its tests and bench
 #   ONLY=fusedbulk bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward with dQ out by TMA reduce-add:
 #     tests, probe, fwd+bwd against two passes
+#   ONLY=hsplit bash scripts/gpu_check.sh [OUTDIR]   the dK/dV pass's heads split (MQA, large groups): tests, bench
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -71,6 +72,14 @@ if [ "${ONLY:-}" = pair ]; then
   # Head pairs in the Gluon forward: their tests with the schedules they share code with, then their bench.
   step "gluon forward tests: head pairs, persistent, TMA store" "$(lim 400)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'head_pairs or tma_store or (persistent and not counter)' 2>&1 | tee '$out/gpu_pair_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench gluon head pairs" "$(lim 200)" $PY scripts/bench_attention.py --gluon-pair "$out/bench_gluon_pair.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = hsplit ]; then
+  # Session 28: the dK/dV pass's heads split (MQA / large groups): its tests with the dK/dV pass's others, then
+  # fwd+bwd with it off / auto / 2 / 4 against SDPA.
+  step "gluon dK/dV tests: heads split" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'heads_split or dkdv' 2>&1 | tee '$out/gpu_hsplit_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "bench heads split" "$(lim 200)" $PY scripts/bench_attention.py --hsplit "$out/bench_hsplit.md"
   echo "gpu_check status: $status"
   exit $status
 fi

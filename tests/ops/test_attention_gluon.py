@@ -389,6 +389,70 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
         assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"
 
 
+# MQA and GQA for the heads split: causal MQA with a partial key block, 192/128, M > N (rows that see no key), not
+# causal with Dv 64, and a group of 16 split 2 / 4 / 8 ways.
+HSPLIT_CASES = [
+    (1, 8, 1, 300, 333, 128, 128, True),
+    (2, 8, 2, 257, 257, 192, 128, True),
+    (1, 4, 1, 130, 65, 64, 64, True),
+    (1, 8, 2, 200, 180, 128, 64, False),
+    (2, 16, 1, 256, 256, 128, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, hsplit", [(c, hs) for c in HSPLIT_CASES for hs in ("2", "4", "8", "auto")
+                                          if hs == "auto" or (c[1] // c[2]) % int(hs) == 0],
+                         ids=lambda x: f"hsplit-{x}" if isinstance(x, str) else
+                         "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_dkdv_heads_split_matches_oracle(case, hsplit, monkeypatch):
+    """A KV head's query heads split between programs (``DKDV_HSPLIT``), their float32 parts added after: all
+    three gradients against the float64 oracle (the Gluon pass ran, with the split the switch asks for)."""
+    from mla_attn.ops.attention import triton_bwd
+
+    b, hq, hkv, m, n = case[:5]
+    want = gluon_bwd._hsplit(b, hq, hkv, n, 128, torch.device("cuda")) if hsplit == "auto" else int(hsplit)
+    if hsplit == "auto":  # these shapes have a few programs: auto splits them
+        assert want > 1
+    monkeypatch.setattr(gluon_bwd, "DKDV_HSPLIT", hsplit)
+    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
+    seen = []
+    real = gluon_bwd._add_parts
+    monkeypatch.setattr(gluon_bwd, "_add_parts", lambda parts, outs, hs: seen.append(hs) or real(parts, outs, hs))
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert seen and set(seen) == {want}, (seen, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, token_major", [(HSPLIT_CASES[0], False), (HSPLIT_CASES[1], True),
+                                               (HSPLIT_CASES[2], False)],
+                         ids=lambda x: x if isinstance(x, bool) else
+                         "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(*x[:7], "causal" if x[7] else "full"))
+def test_gluon_dkdv_heads_split_repeats_and_writes_all(case, token_major, monkeypatch):
+    """With the heads split, two backward passes give bit for bit the same gradients (the parts are added in
+    one order), every element written (gradient buffers start NaN), and token-major inputs take it too."""
+    from mla_attn.ops.attention import triton_bwd
+    from mla_attn.ops.attention.function import flash_attention
+
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    monkeypatch.setattr(gluon_bwd, "DKDV_HSPLIT", "2")
+    monkeypatch.setattr(triton_bwd, "GLUON_DKDV", True)
+    *base, gen = _seeded_qkv(case, token_major, 13)
+    do = torch.randn(b, hq, m, dv, generator=gen).to("cuda", torch.bfloat16)
+    _poison_outputs(monkeypatch)
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in base]
+        o, _ = flash_attention(*leaves, causal, dqk ** -0.5)
+        o.backward(do)
+        grads.append([t.grad for t in leaves])
+    for a, b_ in zip(*grads):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b_)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(

@@ -50,7 +50,7 @@ import torch
 from .._common import is_hopper
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, tensor_key
-from .gluon_fwd import _SMEM_BYTES, DescPlan, _desc, _split_head_dim, _tma_ready, _tma_view
+from .gluon_fwd import _SMEM_BYTES, DescPlan, _desc, _num_sms, _split_head_dim, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -78,6 +78,14 @@ DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto")
 # "1": K/V's wgmma descriptors recomputed each step (``_dkdv_gluon``'s FRESH_DESC): sm_90a spills at d 128 go
 # from 32 bytes to none. Off until the H200 has timed it; MLA_ATTN_GLUON_DKDV_FRESH_DESC=1 turns it on.
 DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
+# Heads split (``_dkdv_gluon``'s HSPLIT): a KV head's query heads walked by HSPLIT programs instead of one, each
+# storing its part's dK / dV in float32, then added in a fixed order (deterministic). Why: with MQA or a large
+# group and a small batch there are fewer programs than SMs (MQA 8 x 32/1 x 2048: 128 programs of 128 keys),
+# and each walks all its group's heads, so the longest (the first key block, causal) outlasts the rest of the
+# backward. "auto": split where B x HK x key blocks < the SM count, into the fewest parts (a power of two
+# dividing the group) that give two programs an SM; "0": never; an integer: that many parts wherever it
+# divides the group. MLA_ATTN_GLUON_DKDV_HSPLIT overrides.
+DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
 
 if AVAILABLE:
     from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward
@@ -124,17 +132,27 @@ if AVAILABLE:
         D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dk1_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False,
-        FRESH_DESC: gl.constexpr = False,
+        FRESH_DESC: gl.constexpr = False, HSPLIT: gl.constexpr = 1,
     ):
         # FRESH_DESC: K and V (single buffers) indexed in the loop by t * 0 with the 0 unknown to the compiler
         # (program_id(2) of a 1-deep grid), so that their wgmma descriptors are recomputed each step instead of
         # held across the loop (gluon_bwd_fused.py: that took its spills from 324 bytes to none).
         # TMA_STORE: dk_desc / dk1_desc / dv_desc are [B * HK * N, D] views of DK (columns 0 .. D_QK0 and
         # D_QK0 ..) and DV in blocks of BLOCK_N rows.
+        # HSPLIT (heads split): axis 1 counts B x HK x HSPLIT programs, and program s of a KV head takes query
+        # heads s * GROUP_N .. (s + 1) * GROUP_N of its group (GROUP_N is then the group / HSPLIT); its dK / dV
+        # are that part's sums, stored in float32 to DK / DV seen as [B, HK * HSPLIT, N, D] (the launcher adds
+        # the parts in a fixed order). i_hq: the index whose GROUP_N query heads this program walks.
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
-        i_b = pid_bh // HK
-        i_hk = pid_bh % HK
+        if HSPLIT > 1:
+            i_b = pid_bh // (HK * HSPLIT)
+            i_hq = pid_bh % (HK * HSPLIT)
+            i_hk = i_hq // HSPLIT
+        else:
+            i_b = pid_bh // HK
+            i_hk = pid_bh % HK
+            i_hq = i_hk
         n0 = pid_n * BLOCK_N
         lay = (Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH)
         if TOKEN_MAJOR:  # rows / columns of this program's keys in the 2-D views (gluon_fwd._tma_view)
@@ -143,7 +161,10 @@ if AVAILABLE:
             v_row0 = i_b * V_RB + i_hk * V_RH + n0
             v_col0 = i_hk * V_CH
         else:  # head-major [B * HK * N, D] views
-            kv_row0 = pid_bh * N + n0
+            if HSPLIT > 1:
+                kv_row0 = (i_b * HK + i_hk) * N + n0
+            else:
+                kv_row0 = pid_bh * N + n0
             k_col0 = 0
             v_row0 = kv_row0
             v_col0 = 0
@@ -208,7 +229,7 @@ if AVAILABLE:
         _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
         _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
         for i in gl.static_range(STAGES):
-            _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hk,
+            _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hq,
                        GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
 
         dk = gl.zeros([BLOCK_N, D_QK0], gl.float32, layout=dk_layout)
@@ -237,7 +258,7 @@ if AVAILABLE:
             g = t // n_rt
             start_m = (rt0 + t % n_rt) * BLOCK_M
             o_row = start_m + o_rl
-            stat = (i_b * H + i_hk * GROUP_N + g).to(gl.int64) * M
+            stat = (i_b * H + i_hq * GROUP_N + g).to(gl.int64) * M
             # lse (natural log) -> base 2; -inf (row sees no key) and rows past M -> +inf: P = 0.
             lse = gl.load(LSE + stat + o_row, mask=o_row < M, other=float("-inf"))
             lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -266,7 +287,7 @@ if AVAILABLE:
             # Both warpgroups are done with this stage once every thread passes here: refill it.
             _thread_barrier()
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
-                       i_hk, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
+                       i_hq, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
@@ -483,23 +504,63 @@ def _tiles(d_qk: int) -> tuple[int, int]:
     return (64, 2) if d_qk <= 128 else (32, 3)
 
 
+def _hsplit(b: int, h: int, hk: int, n: int, block_n: int, device) -> int:
+    """DKDV_HSPLIT's choice for these shapes (see there)."""
+    group = h // hk
+    if DKDV_HSPLIT != "auto":
+        hs = int(DKDV_HSPLIT) or 1
+        return hs if group % hs == 0 else 1
+    programs, sms = b * hk * -(-n // block_n), _num_sms(device)
+    hs = 1
+    if programs < sms:
+        while programs * hs < 2 * sms and group % (2 * hs) == 0:
+            hs *= 2
+    return hs
+
+
+def _part_buffers(dk, dv, hs: int):
+    """float32 [B, HK * hs, N, D] buffers for the heads-split parts of dk and dv (through triton_fwd._alloc,
+    which the tests poison: a part left unwritten shows)."""
+    from .triton_fwd import _alloc
+
+    b, hk, n = dk.shape[:3]
+    return (_alloc((b, hk * hs, n, dk.shape[-1]), dk.device, torch.float32),
+            _alloc((b, hk * hs, n, dv.shape[-1]), dv.device, torch.float32))
+
+
+def _add_parts(parts, outs, hs: int) -> None:
+    """Each output the sum of its hs parts, added in one order (deterministic), cast to its dtype."""
+    for part, out in zip(parts, outs):
+        b, hk, n, d = out.shape
+        out.copy_(part.view(b, hk, hs, n, d).sum(2))
+
+
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int | None = None,
-               block_n: int = 128, stages: int | None = None, num_warps: int = 8, token_major: bool = False):
+               block_n: int = 128, stages: int | None = None, num_warps: int = 8, token_major: bool = False,
+               hsplit: int | None = None):
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
-    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``. Calls with the
-    default tiles replay a plan kept per call key (``gluon_fwd.DescPlan``)."""
-    key = None
-    if _fast.enabled() and (block_m, block_n, stages, num_warps) == _DKDV_DEFAULTS:
-        key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
-               tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES)
-        plan = _plans.get(key)
-        if plan is not None:
-            plan.launch(*plan.values((q, do, k, v, dk, dv), _dkdv_named(lse, delta, dk, dv, scale)))
-            return dk, dv
+    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``. ``hsplit`` (None:
+    ``DKDV_HSPLIT``): the programs a KV head's query heads are split between (it must divide the group). Calls
+    with the default tiles replay a plan kept per call key (``gluon_fwd.DescPlan``)."""
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    hs = _hsplit(b, h, hk, n, block_n, q.device) if hsplit is None else hsplit
+    if hs < 1 or (h // hk) % hs:
+        raise ValueError(f"dkdv_gluon: hsplit must divide the group ({h // hk} query heads a KV head), got {hs}")
+    out_k, out_v = _part_buffers(dk, dv, hs) if hs > 1 else (dk, dv)
+    key = None
+    if _fast.enabled() and (block_m, block_n, stages, num_warps, hsplit) == _DKDV_DEFAULTS:
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
+               tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES,
+               DKDV_HSPLIT)
+        plan = _plans.get(key)
+        if plan is not None:
+            plan.launch(*plan.values((q, do, k, v, out_k, out_v), _dkdv_named(lse, delta, out_k, out_v, scale)))
+            if hs > 1:
+                _add_parts((out_k, out_v), (dk, dv), hs)
+            return dk, dv
     block_m = _tiles(d_qk)[0] if block_m is None else block_m
     stages = _tiles(d_qk)[1] if stages is None else stages
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
@@ -509,29 +570,32 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     (q2, *_), (do2, *_), (k2, *_), (v2, *_) = views
     lay = [x for vw in views for x in vw[1:]]  # (RB, RH, CH) of q, do, k, v
     # Descriptor sources: 0 q, 1 do, 2 k, 3 v, then dk and dv seen as [B * HK * N, D] (same data pointers).
-    plan = DescPlan(token_major, (q, do, k, v), (q2, do2, k2, v2, dk.view(b * hk * n, d_qk), dv.view(b * hk * n, d_v)),
-                    el)
+    plan = DescPlan(token_major, (q, do, k, v), (q2, do2, k2, v2, out_k.view(-1, d_qk), out_v.view(-1, d_v)), el)
     desc = plan.desc
     q_desc, do_desc = desc(0, block_m, d0), desc(1, block_m, d_v)
     k_desc, v_desc = desc(2, block_n, d0), desc(3, block_n, d_v)
     q1_desc, k1_desc = (desc(0, block_m, d1), desc(2, block_n, d1)) if d1 else (None, None)  # as the forward
-    grid = ((n + block_n - 1) // block_n, b * hk)
+    grid = ((n + block_n - 1) // block_n, b * hk * hs)
     # Shared memory with dK/dV's own buffers: K, V and their output buffers, and the Q / dO ring.
     smem = 2 * (2 * block_n * (d0 + d1 + d_v) + stages * block_m * (d0 + d1 + d_v))
     extra = {}
-    tma_store = DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1)
+    tma_store = hs == 1 and (DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1))
     if tma_store and smem <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(4, block_n, d0), "dk1_desc": desc(4, block_n, d1) if d1 else None,
                  "dv_desc": desc(5, block_n, d_v), "TMA_STORE": True}
     if DKDV_FRESH_DESC == "1":
         extra["FRESH_DESC"] = True
         grid = grid + (1,)  # program_id(2): the kernel's 0 that the compiler cannot see
+    if hs > 1:
+        extra["HSPLIT"] = hs
     plan.launch = Launch(_dkdv_gluon, grid, (
         q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, plan.slot("lse"), plan.slot("delta"), plan.slot("dk"),
-        plan.slot("dv"), plan.slot("scale2"), plan.slot("scale"), m, n, h, hk, h // hk, *lay,
+        plan.slot("dv"), plan.slot("scale2"), plan.slot("scale"), m, n, h, hk, h // hk // hs, *lay,
     ), dict(D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
             TOKEN_MAJOR=any(vw[3] for vw in views), **extra), {"num_warps": num_warps})
-    plan.launch(*plan.values((q, do, k, v, dk, dv), _dkdv_named(lse, delta, dk, dv, scale)))
+    plan.launch(*plan.values((q, do, k, v, out_k, out_v), _dkdv_named(lse, delta, out_k, out_v, scale)))
+    if hs > 1:
+        _add_parts((out_k, out_v), (dk, dv), hs)
     if key is not None:
         _plans.put(key, plan.done())
     return dk, dv
@@ -544,7 +608,7 @@ def _dkdv_named(lse, delta, dk, dv, scale) -> dict:
 # dkdv_gluon's plans by call key (see gluon_fwd.DescPlan); cleared by the tests around each test. Only calls
 # with the default tiles are planned.
 _plans = PlanCache()
-_DKDV_DEFAULTS = _fast.defaults(dkdv_gluon, ("block_m", "block_n", "stages", "num_warps"))
+_DKDV_DEFAULTS = _fast.defaults(dkdv_gluon, ("block_m", "block_n", "stages", "num_warps", "hsplit"))
 
 
 def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
