@@ -677,6 +677,75 @@ def bench_hsplit(out=None, rounds=3):
     _write_table(out, lines)
 
 
+ODD_WIDTH_ROWS = [  # B, Hq, Hkv, L, Dqk, Dv: head widths of real models whose rows are not 16-element multiples or powers of two
+    (4, 32, 32, 2048, 64, 64),     # for reference: the Gluon kernels
+    (4, 32, 32, 2048, 40, 40),     # Stable Diffusion 1.5's first UNet stage
+    (4, 32, 32, 2048, 72, 72),
+    (4, 32, 8, 2048, 72, 72),
+    (4, 32, 32, 2048, 80, 80),     # Phi-2, SD 1.5's second stage
+    (4, 32, 32, 2048, 96, 96),     # Phi-3-mini
+    (4, 16, 16, 2048, 160, 160),   # SD 1.5's third stage
+]
+
+
+def bench_odd_widths(out=None, rounds=3):
+    """Forward and fwd+bwd at head widths the Gluon kernels do not take (so the Triton kernels run), with the
+    strides passed divided by their common power of two (``triton_fwd.STRIDE_UNITS``, the default) and as they
+    are, against SDPA: ``rounds`` rounds, the order rotated each round, medians kept."""
+    from mla_attn.ops.attention import triton_fwd
+
+    lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
+             "'unit': what the leading strides are passed divided by (triton_fwd.stride_unit); TF/s, medians", "",
+             "| B | Hq/Hkv | L | Dqk/Dv | unit | fwd: units TF/s | strides as they are | SDPA | units / as they are | "
+             "units / SDPA | fwd+bwd: units | as they are | SDPA | units / as they are | units / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    old = triton_fwd.STRIDE_UNITS
+    try:
+        for row in ODD_WIDTH_ROWS:
+            scale, flops, q, k, v, do = _train_row(*row)
+            unit = triton_fwd.stride_unit(q, k, v)
+
+            def ours(flag, grad):
+                def run():
+                    triton_fwd.STRIDE_UNITS = flag
+                    if grad:
+                        _ours(q, k, v, scale).backward(do)
+                    else:
+                        with torch.no_grad():
+                            _ours(q, k, v, scale)
+                return run
+
+            tf = {}
+            for grad in (False, True):
+                cands = {"units": ours(True, grad), "plain": ours(False, grad)}
+                if grad:
+                    cands["sdpa"] = lambda: _sdpa(q, k, v, scale).backward(do)
+                else:
+                    def sdpa_fwd():
+                        with torch.no_grad():
+                            _sdpa(q, k, v, scale)
+                    cands["sdpa"] = sdpa_fwd
+                names = list(cands)
+                times = {nm: [] for nm in names}
+                for r in range(rounds):
+                    for nm in names[r % len(names):] + names[:r % len(names)]:
+                        times[nm].append(_ms(cands[nm], [q, k, v] if grad else None))
+                f = flops if grad else flops / 3.5
+                for nm, ts in times.items():
+                    tf[(grad, nm)] = f / (sorted(ts)[len(ts) // 2] * 1e-3) / 1e12
+            b, hq, hkv, n, dqk, dv = row
+            cells = []
+            for grad in (False, True):
+                u, p, sd = tf[(grad, "units")], tf[(grad, "plain")], tf[(grad, "sdpa")]
+                cells += [f"{u:.0f}", f"{p:.0f}", f"{sd:.0f}", f"{u / p:.2f}", f"{u / sd:.2f}"]
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {unit} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        triton_fwd.STRIDE_UNITS = old
+    _write_table(out, lines)
+
+
 def bench_gqa_sweep(out=None):
     """The main table's columns on rows where SDPA has to repeat KV heads (the GQA row's group grown from 4 to
     32, i.e. MQA) or handle unusual head widths (64, 72, 96/64): where does ours pass SDPA?"""
@@ -705,6 +774,7 @@ def main(argv=None):
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
+    ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths, strides in units or as they are")
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
@@ -718,7 +788,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

@@ -111,6 +111,10 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=168, help="gluon_mla: the kernel's register cap")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
+    ap.add_argument("--row-align", type=int, default=16,
+                    help="fwd / dkdv / dq: the divisibility Triton sees on the row strides (16 at d 64/128; a d 72 row is 72 elements, 8)")
+    ap.add_argument("--stride-unit", type=int, default=1,
+                    help="fwd / dkdv / dq: STRIDE_UNIT (the leading strides passed divided by it; triton_fwd.stride_unit)")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
     args = ap.parse_args()
     a, b, warps, stages = map(int, args.tiles.split(","))
@@ -289,8 +293,11 @@ def main():
             ptrs["DQ"] = "*bf16"
         const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
                      BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=not args.full, BLOCK_M=a, BLOCK_N=b,
-                     DOT_PREC="tf32")
-        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride") or n in ("M", "N"))
+                     DOT_PREC="tf32", STRIDE_UNIT=args.stride_unit)
+        rows = ("stride_qm", "stride_kn", "stride_vn", "stride_dom", "stride_dkn", "stride_dvn", "stride_dqm")
+        kernel = _compile(fn, ptrs, const, warps, stages,
+                          aligned=lambda n: (n.startswith("stride") and (args.row_align >= 16 or n not in rows))
+                          or n in ("M", "N"))
     else:
         from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn
         from mla_attn.ops.attention.triton_fwd import split_head_dim
@@ -298,8 +305,11 @@ def main():
         ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32"}
         const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
                      BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=True, BLOCK_M=a, BLOCK_N=b,
-                     DOT_PREC="tf32")
-        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride") or n in ("M", "N"))
+                     DOT_PREC="tf32", STRIDE_UNIT=args.stride_unit)
+        rows = ("stride_qm", "stride_kn", "stride_vn", "stride_om")
+        kernel = _compile(fn, ptrs, const, warps, stages,
+                          aligned=lambda n: (n.startswith("stride") and (args.row_align >= 16 or n not in rows))
+                          or n in ("M", "N"))
     os.makedirs(args.out, exist_ok=True)
     ttgir, ptx = os.path.join(args.out, "kernel.ttgir"), os.path.join(args.out, "kernel.ptx")
     with open(ttgir, "w") as f:

@@ -146,6 +146,69 @@ def test_flash_attention_matches_oracle(case, poison):
     _check(*case)
 
 
+def test_stride_unit_is_what_divides_every_leading_stride():
+    unit = triton_fwd.stride_unit
+    assert unit(torch.empty(2, 3, 40, 128)) == 1  # all multiples of 16: passed as they are
+    assert unit(torch.empty(2, 3, 40, 72)) == 8
+    assert unit(torch.empty(2, 3, 40, 36), torch.empty(2, 3, 40, 20)) == 4
+    assert unit(torch.empty(2, 3, 41, 64)) == 1
+    assert unit(torch.empty(2, 40, 3, 18).transpose(1, 2)) == 2
+    assert unit(torch.empty(2, 3, 40, 72), torch.empty(1, 3, 5, 77)) == 1  # odd rows: nothing to gain
+    assert unit(torch.empty(2, 3, 40, 72), None) == 8
+    assert triton_fwd.unit_strides(torch.empty(2, 3, 40, 72), 8) == (3 * 40 * 9, 40 * 9, 9, 1)
+
+
+# Head widths whose row strides are not multiples of 16 elements: the launchers pass the strides divided by
+# a power of two and the kernels multiply it back (triton_fwd.stride_unit). Contiguous and [B, L, H, D]
+# layouts, so each unit is used; the unit each case runs with is asserted, so the case cannot pass
+# without taking the path it names.
+UNIT_CASES = [
+    # B, Hq, Hkv, M, N, Dqk, Dv, causal, dtype, layout, unit
+    (2, 4, 2, 37, 70, 72, 72, True, torch.float32, "contiguous", 8),
+    (1, 3, 1, 70, 37, 72, 72, True, torch.float16, "token-major", 8),
+    (1, 4, 4, 45, 45, 36, 20, False, torch.float32, "contiguous", 4),
+    (1, 6, 3, 29, 61, 18, 10, True, torch.float32, "token-major", 2),
+]
+
+
+@pytest.mark.parametrize("case", UNIT_CASES, ids=lambda c: f"D{c[5]}x{c[6]}-{c[9]}-unit{c[10]}")
+def test_unaligned_row_strides_match_oracle(case, poison, monkeypatch):
+    *shape, dtype, layout, want_unit = case
+    seen = []
+    real = triton_fwd.stride_unit
+
+    def spy(*tensors):
+        seen.append(real(*tensors))
+        return seen[-1]
+
+    monkeypatch.setattr(triton_fwd, "stride_unit", spy)
+    from mla_attn.ops.attention import triton_bwd
+    monkeypatch.setattr(triton_bwd, "stride_unit", spy)
+    if layout == "token-major":
+        # q, k, v as the layers pass them: [B, L, H, D] storage seen as [B, H, L, D].
+        b, hq, hkv, m, n, dqk, dv, causal = shape
+        torch.manual_seed(0)
+        q = torch.randn(b, m, hq, dqk).to(dtype).transpose(1, 2)
+        k = torch.randn(b, n, hkv, dqk).to(dtype).transpose(1, 2)
+        v = torch.randn(b, n, hkv, dv).to(dtype).transpose(1, 2)
+        do = torch.randn(b, hq, m, dv).to(dtype)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, lse = flash_attention(*leaves, causal, dqk ** -0.5)
+        o.backward(do)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        o_ref, lse_ref = attention_oracle(q64, k64, v64, causal=causal, scale=dqk ** -0.5)
+        o_ref.backward(do.double())
+        floor = dtype_floor(dtype)
+        o_base, g_base = _grads(lambda a, b_, c: _torch_same_dtype(a, b_, c, causal, dqk ** -0.5), (q, k, v), do)
+        assert_close(o, o_ref, floor=floor, baseline=o_base, name="o")
+        assert_lse_close(lse, lse_ref, atol=LSE_ATOL[dtype])
+        for name, leaf, want, base in zip(("dq", "dk", "dv"), leaves, (q64.grad, k64.grad, v64.grad), g_base):
+            assert_close(leaf.grad, want, floor=GRAD_FLOOR_FACTOR * floor, baseline=base, name=name)
+    else:
+        _check(*shape, dtype, strided=False)
+    assert seen and all(u == want_unit for u in seen), seen  # the forward's and the backward's
+
+
 def test_large_magnitude_inputs_backward(poison):
     # q*5, k*3: scores reach ~+-40, the softmax is nearly one-hot; no overflow, no NaN.
     _check(1, 4, 2, 65, 97, 64, 64, True, torch.float32, q_mul=5.0, k_mul=3.0)
@@ -307,7 +370,8 @@ GPU_CASES = [
     (1, 4, 2, 1023, 1024, 128, 128, False),
     (1, 2, 2, 4224, 4224, 128, 128, True),
     (1, 4, 1, 300, 700, 576, 512, True),
-    (1, 3, 3, 257, 255, 72, 72, True),
+    (1, 3, 3, 257, 255, 72, 72, True),   # contiguous: leading strides passed / 8 (stride_unit)
+    (2, 6, 2, 333, 333, 36, 20, True),   # ... / 4
     (1, 4, 2, 257, 300, 48, 32, False),
     (1, 4, 4, 511, 511, 64, 64, True),
 ]

@@ -27,7 +27,7 @@ import triton.language as tl
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
-from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim
+from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim, stride_unit, unit_strides
 
 
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
@@ -92,7 +92,15 @@ def _bwd_preprocess(
     stride_lb, stride_lh, stride_lm,
     H_Q, M,
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr = 1,
 ):
+    if STRIDE_UNIT != 1:  # O's and dO's leading strides came divided by it (triton_fwd.stride_unit)
+        stride_ob *= STRIDE_UNIT
+        stride_oh *= STRIDE_UNIT
+        stride_om *= STRIDE_UNIT
+        stride_dob *= STRIDE_UNIT
+        stride_doh *= STRIDE_UNIT
+        stride_dom *= STRIDE_UNIT
     # delta = rowsum(dO * O), less lse's own gradient where it has one: dS = P * (dP - delta + dlse). Rows
     # with lse = -inf have P = 0; their dlse is dropped so that a NaN there cannot reach dS (0 * NaN).
     pid_m = tl.program_id(0)
@@ -180,7 +188,27 @@ def _bwd_dkdv_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr = 1,
 ):
+    if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
+        stride_qb *= STRIDE_UNIT
+        stride_qh *= STRIDE_UNIT
+        stride_qm *= STRIDE_UNIT
+        stride_kb *= STRIDE_UNIT
+        stride_kh *= STRIDE_UNIT
+        stride_kn *= STRIDE_UNIT
+        stride_vb *= STRIDE_UNIT
+        stride_vh *= STRIDE_UNIT
+        stride_vn *= STRIDE_UNIT
+        stride_dob *= STRIDE_UNIT
+        stride_doh *= STRIDE_UNIT
+        stride_dom *= STRIDE_UNIT
+        stride_dkb *= STRIDE_UNIT
+        stride_dkh *= STRIDE_UNIT
+        stride_dkn *= STRIDE_UNIT
+        stride_dvb *= STRIDE_UNIT
+        stride_dvh *= STRIDE_UNIT
+        stride_dvn *= STRIDE_UNIT
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_KV
@@ -313,7 +341,24 @@ def _bwd_dq_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr = 1,
 ):
+    if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
+        stride_qb *= STRIDE_UNIT
+        stride_qh *= STRIDE_UNIT
+        stride_qm *= STRIDE_UNIT
+        stride_kb *= STRIDE_UNIT
+        stride_kh *= STRIDE_UNIT
+        stride_kn *= STRIDE_UNIT
+        stride_vb *= STRIDE_UNIT
+        stride_vh *= STRIDE_UNIT
+        stride_vn *= STRIDE_UNIT
+        stride_dob *= STRIDE_UNIT
+        stride_doh *= STRIDE_UNIT
+        stride_dom *= STRIDE_UNIT
+        stride_dqb *= STRIDE_UNIT
+        stride_dqh *= STRIDE_UNIT
+        stride_dqm *= STRIDE_UNIT
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q
@@ -410,7 +455,8 @@ def flash_attn_bwd(
     if _fast.enabled() and dkdv_config is None and dq_config is None:
         key = (tensor_key(do), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(o), tensor_key(lse),
                tensor_key(dlse), bool(causal), dot_precision(q.dtype), GLUON_DKDV, GLUON_DQ, GLUON_TOKEN_MAJOR,
-               SIDE_STREAM_DQ, SIDE_STREAM_MIN_WORK, getattr(sys.modules.get(_FUSED), "FUSED_BWD", None))
+               SIDE_STREAM_DQ, SIDE_STREAM_MIN_WORK, getattr(sys.modules.get(_FUSED), "FUSED_BWD", None),
+               triton_fwd.STRIDE_UNITS)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(do, q, k, v, o, lse, dlse, scale)
@@ -436,10 +482,12 @@ def flash_attn_bwd(
     plan = _BwdPlan()
     plan.shapes = (dq.shape, dk.shape, dv.shape, delta.shape)
     # lse's own gradient (dlse) folds into delta in the same launch (any strides: lse.sum()'s is expanded).
+    # Every leading stride of the passes' tensors is passed divided by this, the kernels multiplying it back.
+    unit = stride_unit(q, k, v, do, o, dq, dk, dv)
     plan.pre = Launch(_bwd_preprocess, (triton.cdiv(M, pre_m), B * Hq), (
-        S["o"], S["do"], S["delta"], S["lse"], S["dlse"], o.stride(0), o.stride(1), o.stride(2), *do.stride(),
+        S["o"], S["do"], S["delta"], S["lse"], S["dlse"], *unit_strides(o, unit)[:3], *unit_strides(do, unit),
         *(dlse.stride() if dlse is not None else (0, 0, 0)), Hq, M,
-    ), dict(D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None), {})
+    ), dict(D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None, STRIDE_UNIT=unit), {})
     vals = plan.values(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale)
     plan.pre(*vals)
 
@@ -477,9 +525,10 @@ def flash_attn_bwd(
             bm, bn, warps, stages = cfg
             launch = Launch(kernel, grid(bm, bn), (
                 S["q"], S["k"], S["v"], S["do"], S["lse"], S["delta"], *head,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *tail,
+                *unit_strides(q, unit), *unit_strides(k, unit), *unit_strides(v, unit), *unit_strides(do, unit), *tail,
             ), dict(GROUP=group, D_QK=Dqk, D_V=Dv, BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv, CAUSAL=bool(causal),
-                    BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype)), dict(num_warps=warps, num_stages=stages))
+                    BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit),
+                dict(num_warps=warps, num_stages=stages))
             launch(*vals)
             return launch
         return make
@@ -487,15 +536,14 @@ def flash_attn_bwd(
     # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
     es = q.element_size()
     width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
-    fkey = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal))
+    fkey = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal), unit)
 
     def first_dkdv():  # the first call's dK/dV pass: chooses (and compiles) it, keeps it in the plan
         if gluon_dkdv:
             plan.dkdv = plan.gluon_dkdv
             plan.dkdv(*vals)
             return
-        tail = (dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                Hq, Hkv, M, N, shift, S["scale2"], S["scale"])
+        tail = (*unit_strides(dk, unit)[:3], *unit_strides(dv, unit)[:3], Hq, Hkv, M, N, shift, S["scale2"], S["scale"])
         plan.dkdv = launch_with_fallback(
             triton_launch(_bwd_dkdv_kernel, lambda bm, bn: (triton.cdiv(N, bn), B * Hkv), (S["dk"], S["dv"]), tail),
             ("dkdv",) + fkey, dkdv_config or _dkdv_config(width, vwidth, causal), pinned=dkdv_config is not None)
@@ -505,7 +553,7 @@ def flash_attn_bwd(
             plan.dq = plan.gluon_dq
             plan.dq(*vals)
             return
-        tail = (dq.stride(0), dq.stride(1), dq.stride(2), Hq, M, N, shift, S["scale2"], S["scale"])
+        tail = (*unit_strides(dq, unit)[:3], Hq, M, N, shift, S["scale2"], S["scale"])
         plan.dq = launch_with_fallback(
             triton_launch(_bwd_dq_kernel, lambda bm, bn: (triton.cdiv(M, bm), B * Hq), (S["dq"],), tail),
             ("dq",) + fkey, dq_config or _dq_config(width, vwidth, causal), pinned=dq_config is not None)

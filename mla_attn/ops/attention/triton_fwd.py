@@ -18,6 +18,7 @@ and for ``M = 5, N = 2`` the first three rows see nothing: they get o = 0, lse =
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -55,6 +56,39 @@ def split_head_dim(d: int) -> tuple[int, int]:
     rest = d - main
     tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
     return main, tail
+
+
+# MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (stride_unit gives 1): for A/B timing only.
+STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
+
+
+def stride_unit(*tensors) -> int:
+    """What the launchers divide every leading (non-head-dim) stride by, the kernels multiplying it back (their
+    ``STRIDE_UNIT``): 1 when those strides are all multiples of 16 elements, else the largest power of two
+    dividing them all.
+
+    Triton marks an integer argument as 16-divisible only when it is. A row of 72 elements is not, so every
+    address built from such a stride looked unaligned: the loads went one element at a time, with no
+    ``cp.async`` pipeline (the forward at d 72 read 0.35 of SDPA on the H100). Passed as ``stride // 8`` and
+    multiplied by the constant 8 in the kernel, the same addresses are known to be 16-byte aligned."""
+    if not STRIDE_UNITS:
+        return 1
+    g = 0
+    for t in tensors:
+        if t is not None:
+            for s in t.stride()[:-1]:
+                g = math.gcd(g, s)
+    if g == 0 or g % 16 == 0:
+        return 1
+    return g & -g
+
+
+def unit_strides(t: torch.Tensor, unit: int, lead: int | None = None) -> tuple[int, ...]:
+    """t's strides with the leading ones divided by ``unit`` (see :func:`stride_unit`); ``lead`` of them only
+    (default: all but the last, which the kernels read as the head-dim stride)."""
+    st = t.stride()
+    n = len(st) - 1 if lead is None else lead
+    return tuple(x // unit for x in st[:n]) + tuple(st[n:])
 
 
 try:
@@ -170,7 +204,21 @@ def _flash_fwd_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr = 1,
 ):
+    if STRIDE_UNIT != 1:  # the leading strides came divided by it (stride_unit): their alignment is now known
+        stride_qb *= STRIDE_UNIT
+        stride_qh *= STRIDE_UNIT
+        stride_qm *= STRIDE_UNIT
+        stride_kb *= STRIDE_UNIT
+        stride_kh *= STRIDE_UNIT
+        stride_kn *= STRIDE_UNIT
+        stride_vb *= STRIDE_UNIT
+        stride_vh *= STRIDE_UNIT
+        stride_vn *= STRIDE_UNIT
+        stride_ob *= STRIDE_UNIT
+        stride_oh *= STRIDE_UNIT
+        stride_om *= STRIDE_UNIT
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q
@@ -280,7 +328,7 @@ def flash_attn_fwd(
     """
     key = None
     if _fast.enabled() and config is None:
-        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype))
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype), STRIDE_UNITS)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q, k, v, scale)
@@ -293,16 +341,16 @@ def flash_attn_fwd(
     bq0, bq1 = split_head_dim(Dqk)
     bdv = max(16, triton.next_power_of_2(Dv))
     values = (q, k, v, o, lse, scale * LOG2E)  # the per-call values: Slot(i) is the i-th
+    unit = stride_unit(q, k, v, o)
 
     def launch(cfg):  # a Launch of this config, launched once here (compiling: out of resources raises)
         block_m, block_n, warps, stages = cfg
         run = Launch(_flash_fwd_kernel, (triton.cdiv(M, block_m), B * Hq), (
             Slot(0), Slot(1), Slot(2), Slot(3), Slot(4),
-            *q.stride(), *k.stride(), *v.stride(),
-            o.stride(0), o.stride(1), o.stride(2),
+            *unit_strides(q, unit), *unit_strides(k, unit), *unit_strides(v, unit), *unit_strides(o, unit)[:3],
             Hq, M, N, N - M, Slot(5),
         ), dict(GROUP=Hq // Hkv, D_QK=Dqk, D_V=Dv, BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv, CAUSAL=bool(causal),
-                BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype)),
+                BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit),
             dict(num_warps=warps, num_stages=stages))
         run(*values)
         return run
@@ -312,7 +360,7 @@ def flash_attn_fwd(
     first = config or _fwd_config(width, bdv * q.element_size() // 2, causal)
     plan = _FwdPlan()
     plan.o_shape, plan.lse_shape = o.shape, lse.shape
-    plan.launch = launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bool(causal)), first,
+    plan.launch = launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bool(causal), unit), first,
                                        pinned=config is not None)
     if key is not None:
         _plans.put(key, plan)
