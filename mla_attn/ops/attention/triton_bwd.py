@@ -27,7 +27,8 @@ import triton.language as tl
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
-from .triton_fwd import LOG2E, _interpreting, dot_precision, launch_with_fallback, split_head_dim, stride_unit, unit_strides
+from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_with_fallback, split_head_dim, stride_unit,
+                         unit_strides)
 
 
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
@@ -95,12 +96,8 @@ def _bwd_preprocess(
     STRIDE_UNIT: tl.constexpr = 1,
 ):
     if STRIDE_UNIT != 1:  # O's and dO's leading strides came divided by it (triton_fwd.stride_unit)
-        stride_ob *= STRIDE_UNIT
-        stride_oh *= STRIDE_UNIT
-        stride_om *= STRIDE_UNIT
-        stride_dob *= STRIDE_UNIT
-        stride_doh *= STRIDE_UNIT
-        stride_dom *= STRIDE_UNIT
+        stride_ob, stride_oh, stride_om = _in_units(stride_ob, stride_oh, stride_om, STRIDE_UNIT)
+        stride_dob, stride_doh, stride_dom = _in_units(stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
     # delta = rowsum(dO * O), less lse's own gradient where it has one: dS = P * (dP - delta + dlse). Rows
     # with lse = -inf have P = 0; their dlse is dropped so that a NaN there cannot reach dS (0 * NaN).
     pid_m = tl.program_id(0)
@@ -191,24 +188,12 @@ def _bwd_dkdv_kernel(
     STRIDE_UNIT: tl.constexpr = 1,
 ):
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
-        stride_qb *= STRIDE_UNIT
-        stride_qh *= STRIDE_UNIT
-        stride_qm *= STRIDE_UNIT
-        stride_kb *= STRIDE_UNIT
-        stride_kh *= STRIDE_UNIT
-        stride_kn *= STRIDE_UNIT
-        stride_vb *= STRIDE_UNIT
-        stride_vh *= STRIDE_UNIT
-        stride_vn *= STRIDE_UNIT
-        stride_dob *= STRIDE_UNIT
-        stride_doh *= STRIDE_UNIT
-        stride_dom *= STRIDE_UNIT
-        stride_dkb *= STRIDE_UNIT
-        stride_dkh *= STRIDE_UNIT
-        stride_dkn *= STRIDE_UNIT
-        stride_dvb *= STRIDE_UNIT
-        stride_dvh *= STRIDE_UNIT
-        stride_dvn *= STRIDE_UNIT
+        stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
+        stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
+        stride_vb, stride_vh, stride_vn = _in_units(stride_vb, stride_vh, stride_vn, STRIDE_UNIT)
+        stride_dob, stride_doh, stride_dom = _in_units(stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
+        stride_dkb, stride_dkh, stride_dkn = _in_units(stride_dkb, stride_dkh, stride_dkn, STRIDE_UNIT)
+        stride_dvb, stride_dvh, stride_dvn = _in_units(stride_dvb, stride_dvh, stride_dvn, STRIDE_UNIT)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_KV
@@ -344,21 +329,11 @@ def _bwd_dq_kernel(
     STRIDE_UNIT: tl.constexpr = 1,
 ):
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
-        stride_qb *= STRIDE_UNIT
-        stride_qh *= STRIDE_UNIT
-        stride_qm *= STRIDE_UNIT
-        stride_kb *= STRIDE_UNIT
-        stride_kh *= STRIDE_UNIT
-        stride_kn *= STRIDE_UNIT
-        stride_vb *= STRIDE_UNIT
-        stride_vh *= STRIDE_UNIT
-        stride_vn *= STRIDE_UNIT
-        stride_dob *= STRIDE_UNIT
-        stride_doh *= STRIDE_UNIT
-        stride_dom *= STRIDE_UNIT
-        stride_dqb *= STRIDE_UNIT
-        stride_dqh *= STRIDE_UNIT
-        stride_dqm *= STRIDE_UNIT
+        stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
+        stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
+        stride_vb, stride_vh, stride_vn = _in_units(stride_vb, stride_vh, stride_vn, STRIDE_UNIT)
+        stride_dob, stride_doh, stride_dom = _in_units(stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
+        stride_dqb, stride_dqh, stride_dqm = _in_units(stride_dqb, stride_dqh, stride_dqm, STRIDE_UNIT)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q

@@ -136,6 +136,13 @@ def _fwd_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, i
 
 
 @triton.jit
+def _in_units(stride_b, stride_h, stride_row, UNIT: tl.constexpr):
+    # One tensor's leading strides, passed divided by UNIT (stride_unit), multiplied back: Triton now knows
+    # each is a multiple of UNIT.
+    return stride_b * UNIT, stride_h * UNIT, stride_row * UNIT
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q0, q1,
     k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
@@ -207,18 +214,10 @@ def _flash_fwd_kernel(
     STRIDE_UNIT: tl.constexpr = 1,
 ):
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (stride_unit): their alignment is now known
-        stride_qb *= STRIDE_UNIT
-        stride_qh *= STRIDE_UNIT
-        stride_qm *= STRIDE_UNIT
-        stride_kb *= STRIDE_UNIT
-        stride_kh *= STRIDE_UNIT
-        stride_kn *= STRIDE_UNIT
-        stride_vb *= STRIDE_UNIT
-        stride_vh *= STRIDE_UNIT
-        stride_vn *= STRIDE_UNIT
-        stride_ob *= STRIDE_UNIT
-        stride_oh *= STRIDE_UNIT
-        stride_om *= STRIDE_UNIT
+        stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
+        stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
+        stride_vb, stride_vh, stride_vn = _in_units(stride_vb, stride_vh, stride_vn, STRIDE_UNIT)
+        stride_ob, stride_oh, stride_om = _in_units(stride_ob, stride_oh, stride_om, STRIDE_UNIT)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     i_b = pid_bh // H_Q
