@@ -689,25 +689,29 @@ ODD_WIDTH_ROWS = [  # B, Hq, Hkv, L, Dqk, Dv: head widths of real models whose r
 
 
 def bench_odd_widths(out=None, rounds=3):
-    """Forward and fwd+bwd at head widths the Gluon kernels do not take (so the Triton kernels run), with the
-    strides passed divided by their common power of two (``triton_fwd.STRIDE_UNITS``, the default) and as they
-    are, against SDPA: ``rounds`` rounds, the order rotated each round, medians kept."""
+    """Forward and fwd+bwd at head widths the Gluon kernels do not take (so the Triton kernels run), three ways:
+    strides as they are and the value head padded to its power of two (before session 29), strides in units
+    (``triton_fwd.STRIDE_UNITS``), and units with the value head split (``VALUE_SPLIT``, the default), against
+    SDPA: ``rounds`` rounds, the order rotated each round, medians kept."""
     from mla_attn.ops.attention import triton_fwd
 
+    variants = {"before": (False, False), "units": (True, False), "split": (True, True)}
     lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
-             "'unit': what the leading strides are passed divided by (triton_fwd.stride_unit); TF/s, medians", "",
-             "| B | Hq/Hkv | L | Dqk/Dv | unit | fwd: units TF/s | strides as they are | SDPA | units / as they are | "
-             "units / SDPA | fwd+bwd: units | as they are | SDPA | units / as they are | units / SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    old = triton_fwd.STRIDE_UNITS
+             "'unit': what the leading strides are passed divided by (triton_fwd.stride_unit); 'Dv tiles': the value "
+             "head's split (split_value_dim); 'before': strides as they are, Dv padded; TF/s, medians", "",
+             "| B | Hq/Hkv | L | Dqk/Dv | unit | Dv tiles | fwd: before | units | units + split | SDPA | best / before | "
+             "split / SDPA | fwd+bwd: before | units | units + split | SDPA | best / before | split / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    old = triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT
     try:
         for row in ODD_WIDTH_ROWS:
             scale, flops, q, k, v, do = _train_row(*row)
-            unit = triton_fwd.stride_unit(q, k, v)
+            triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = True, True
+            unit, tiles = triton_fwd.stride_unit(q, k, v), triton_fwd.split_value_dim(row[5])
 
-            def ours(flag, grad):
+            def ours(flags, grad):
                 def run():
-                    triton_fwd.STRIDE_UNITS = flag
+                    triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = flags
                     if grad:
                         _ours(q, k, v, scale).backward(do)
                     else:
@@ -715,16 +719,14 @@ def bench_odd_widths(out=None, rounds=3):
                             _ours(q, k, v, scale)
                 return run
 
+            def sdpa_fwd():
+                with torch.no_grad():
+                    _sdpa(q, k, v, scale)
+
             tf = {}
             for grad in (False, True):
-                cands = {"units": ours(True, grad), "plain": ours(False, grad)}
-                if grad:
-                    cands["sdpa"] = lambda: _sdpa(q, k, v, scale).backward(do)
-                else:
-                    def sdpa_fwd():
-                        with torch.no_grad():
-                            _sdpa(q, k, v, scale)
-                    cands["sdpa"] = sdpa_fwd
+                cands = {nm: ours(flags, grad) for nm, flags in variants.items()}
+                cands["sdpa"] = (lambda: _sdpa(q, k, v, scale).backward(do)) if grad else sdpa_fwd
                 names = list(cands)
                 times = {nm: [] for nm in names}
                 for r in range(rounds):
@@ -736,13 +738,16 @@ def bench_odd_widths(out=None, rounds=3):
             b, hq, hkv, n, dqk, dv = row
             cells = []
             for grad in (False, True):
-                u, p, sd = tf[(grad, "units")], tf[(grad, "plain")], tf[(grad, "sdpa")]
-                cells += [f"{u:.0f}", f"{p:.0f}", f"{sd:.0f}", f"{u / p:.2f}", f"{u / sd:.2f}"]
-            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {unit} | " + " | ".join(cells) + " |")
+                t = {nm: tf[(grad, nm)] for nm in ("before", "units", "split", "sdpa")}
+                best = max(t["units"], t["split"])
+                cells += [f"{t['before']:.0f}", f"{t['units']:.0f}", f"{t['split']:.0f}", f"{t['sdpa']:.0f}",
+                          f"{best / t['before']:.2f}", f"{t['split'] / t['sdpa']:.2f}"]
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {unit} | {'+'.join(map(str, tiles))} | "
+                         + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     finally:
-        triton_fwd.STRIDE_UNITS = old
+        triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = old
     _write_table(out, lines)
 
 
@@ -774,7 +779,7 @@ def main(argv=None):
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
-    ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths, strides in units or as they are")
+    ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths: before / stride units / units + value split")
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",

@@ -284,15 +284,16 @@ def main():
         kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
     elif args.kernel in ("dkdv", "dq"):  # the Triton backward's two passes (causal, MHA)
         from mla_attn.ops.attention import triton_bwd
-        from mla_attn.ops.attention.triton_fwd import split_head_dim
+        from mla_attn.ops.attention.triton_fwd import split_head_dim, split_value_dim
         fn = triton_bwd._bwd_dkdv_kernel if args.kernel == "dkdv" else triton_bwd._bwd_dq_kernel
         b0, b1 = split_head_dim(args.dqk)
+        v0, v1 = split_value_dim(args.dv)
         ptrs = {n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}
         ptrs.update(LSE="*fp32", DELTA="*fp32")
         if args.kernel == "dq":
             ptrs["DQ"] = "*bf16"
         const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
-                     BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=not args.full, BLOCK_M=a, BLOCK_N=b,
+                     BLOCK_DV=v0, BLOCK_DV1=v1, CAUSAL=not args.full, BLOCK_M=a, BLOCK_N=b,
                      DOT_PREC="tf32", STRIDE_UNIT=args.stride_unit)
         rows = ("stride_qm", "stride_kn", "stride_vn", "stride_dom", "stride_dkn", "stride_dvn", "stride_dqm")
         kernel = _compile(fn, ptrs, const, warps, stages,
@@ -300,11 +301,12 @@ def main():
                           or n in ("M", "N"))
     else:
         from mla_attn.ops.attention.triton_fwd import _flash_fwd_kernel as fn
-        from mla_attn.ops.attention.triton_fwd import split_head_dim
+        from mla_attn.ops.attention.triton_fwd import split_head_dim, split_value_dim
         b0, b1 = split_head_dim(args.dqk)
+        v0, v1 = split_value_dim(args.dv)
         ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32"}
         const = dict(GROUP=1, D_QK=args.dqk, D_V=args.dv, BLOCK_DQK0=b0, BLOCK_DQK1=b1,
-                     BLOCK_DV=max(16, triton.next_power_of_2(args.dv)), CAUSAL=True, BLOCK_M=a, BLOCK_N=b,
+                     BLOCK_DV=v0, BLOCK_DV1=v1, CAUSAL=True, BLOCK_M=a, BLOCK_N=b,
                      DOT_PREC="tf32", STRIDE_UNIT=args.stride_unit)
         rows = ("stride_qm", "stride_kn", "stride_vn", "stride_om")
         kernel = _compile(fn, ptrs, const, warps, stages,

@@ -9,7 +9,7 @@
 #   ONLY=fusedbulk bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward with dQ out by TMA reduce-add:
 #     tests, probe, fwd+bwd against two passes
 #   ONLY=hsplit bash scripts/gpu_check.sh [OUTDIR]   the dK/dV pass's heads split (MQA, large groups): tests, bench
-#   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   strides in units (d 72, 40, ...): the Triton attention tests, odd-width bench
+#   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   stride units and the value-head split (d 72, 40, 96, ...): Triton attention tests, bench
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -77,7 +77,8 @@ if [ "${ONLY:-}" = pair ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = odd ]; then
-  # Session 29: strides passed in units of their common power of two (triton_fwd.stride_unit), for head widths
+  # Session 29: strides passed in units of their common power of two (triton_fwd.stride_unit) and the value head
+  # split like the score's (split_value_dim), for head widths
   # whose rows are not 16-element multiples (72, 40, 36/20): the Triton attention tests, then fwd and fwd+bwd
   # at odd widths with and without it, against SDPA.
   step "triton attention GPU tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_triton.py 2>&1 | tee '$out/gpu_odd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"

@@ -131,7 +131,10 @@ CASES = [
     (2, 4, 2, 65, 130, 48, 32, True, torch.float32),
     (1, 6, 3, 130, 65, 64, 64, True, torch.float32),    # M > N: 65 rows see no key
     (1, 2, 1, 33, 47, 192, 128, True, torch.float32),   # MLA expanded widths
-    (1, 2, 2, 17, 40, 72, 72, False, torch.float16),
+    (1, 2, 2, 17, 40, 72, 72, False, torch.float16),   # Dv 72 = 64 + 16 (split_value_dim), tail padded
+    (1, 4, 2, 37, 70, 96, 96, True, torch.float32),    # 64 + 32, no padding
+    (2, 3, 3, 29, 29, 40, 40, False, torch.float16),   # 32 + 16, tail padded
+    (1, 4, 1, 50, 80, 64, 80, True, torch.float32),    # MQA, Dv 80 = 64 + 16 wider than Dqk
     (1, 3, 1, 9, 9, 8, 24, True, torch.float32),
 ]
 
@@ -144,6 +147,14 @@ def _case_id(c):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_flash_attention_matches_oracle(case, poison):
     _check(*case)
+
+
+def test_split_value_dim():
+    # A tail only where main + tail is narrower than the power of two the whole width would pad to.
+    split = triton_fwd.split_value_dim
+    assert [split(d) for d in (8, 16, 20, 32, 40, 48, 64, 72, 80, 96, 128, 160, 512)] == [
+        (16, 0), (16, 0), (32, 0), (32, 0), (32, 16), (32, 16), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0),
+        (128, 32), (512, 0)]
 
 
 def test_stride_unit_is_what_divides_every_leading_stride():

@@ -27,8 +27,8 @@ import triton.language as tl
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
-from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_with_fallback, split_head_dim, stride_unit,
-                         unit_strides)
+from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_with_fallback, split_head_dim, split_value_dim,
+                         stride_unit, unit_strides)
 
 
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
@@ -133,13 +133,14 @@ def _load_lse2(LSE, offs, M):
 
 @triton.jit
 def _dkdv_inner(
-    dk0, dk1, dv, k0, k1, v,
+    dk0, dk1, dv, dv1, k0, k1, v, v1,
     Q, DO, LSE, DELTA,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+    offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
     lo, hi, M, causal_shift, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_DQK1: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr, BLOCK_DV1: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -162,13 +163,19 @@ def _dkdv_inner(
         b_do = tl.load(DOm + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                        mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
         dv = tl.dot(b_pT.to(b_do.dtype), b_do, dv, input_precision=DOT_PREC)
+        if BLOCK_DV1 > 0:  # the value tail (triton_fwd.split_value_dim)
+            b_do1 = tl.load(DOm + offs_mb[:, None] * stride_dom + offs_dv1[None, :] * stride_dod,
+                            mask=m_m[:, None] & (offs_dv1[None, :] < D_V), other=0.0)
+            dv1 = tl.dot(b_pT.to(b_do1.dtype), b_do1, dv1, input_precision=DOT_PREC)
         b_delta = tl.load(DELTA + o_m, mask=m_m, other=0.0)
         b_dpT = tl.dot(v, tl.trans(b_do), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        if BLOCK_DV1 > 0:
+            b_dpT += tl.dot(v1, tl.trans(b_do1), input_precision=DOT_PREC)
         b_dsT = (b_pT * (b_dpT - b_delta[None, :])).to(b_q0.dtype)
         dk0 = tl.dot(b_dsT, b_q0, dk0, input_precision=DOT_PREC)
         if BLOCK_DQK1 > 0:
             dk1 = tl.dot(b_dsT, b_q1, dk1, input_precision=DOT_PREC)
-    return dk0, dk1, dv
+    return dk0, dk1, dv, dv1
 
 
 @triton.jit
@@ -185,8 +192,10 @@ def _bwd_dkdv_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr = 1,
+    STRIDE_UNIT: tl.constexpr = 1, BLOCK_DV1: tl.constexpr = 0,
 ):
+    # BLOCK_DV1 > 0: V, dO and dV split in columns [0, BLOCK_DV) and [BLOCK_DV, BLOCK_DV + BLOCK_DV1), as in
+    # the forward (triton_fwd.split_value_dim).
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
         stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
         stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
@@ -215,6 +224,7 @@ def _bwd_dkdv_kernel(
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
     offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv1 = BLOCK_DV + tl.arange(0, BLOCK_DV1 if BLOCK_DV1 > 0 else 16)
     m_n = offs_n < N
 
     # K/V tiles of this program's keys stay in registers: [BLOCK_N, BLOCK_DQK0], [BLOCK_N, BLOCK_DV].
@@ -230,6 +240,13 @@ def _bwd_dkdv_kernel(
     dk0 = tl.zeros([BLOCK_N, BLOCK_DQK0], dtype=tl.float32)
     dk1 = tl.zeros([BLOCK_N, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if BLOCK_DV1 > 0:
+        v1 = tl.load(V + o_nb[:, None] * stride_vn + offs_dv1[None, :] * stride_vd,
+                     mask=m_n[:, None] & (offs_dv1[None, :] < D_V), other=0.0)
+        dv1 = tl.zeros([BLOCK_N, BLOCK_DV1], dtype=tl.float32)
+    else:  # no tail: passed through the loops untouched
+        v1 = v
+        dv1 = dv
 
     m_end = tl.cdiv(M, BLOCK_M) * BLOCK_M
     if CAUSAL:
@@ -248,19 +265,19 @@ def _bwd_dkdv_kernel(
         DOg = DO + i_b.to(tl.int64) * stride_dob + i_hq.to(tl.int64) * stride_doh
         row = (i_b * H_Q + i_hq).to(tl.int64) * M
         if CAUSAL:
-            dk0, dk1, dv = _dkdv_inner(
-                dk0, dk1, dv, k0, k1, v, Qg, DOg, LSE + row, DELTA + row,
+            dk0, dk1, dv, dv1 = _dkdv_inner(
+                dk0, dk1, dv, dv1, k0, k1, v, v1, Qg, DOg, LSE + row, DELTA + row,
                 stride_qm, stride_qd, stride_dom, stride_dod,
-                offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+                offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
                 lo, full, M, causal_shift, qk_scale,
-                D_QK, D_V, BLOCK_DQK1, True, BLOCK_M, DOT_PREC,
+                D_QK, D_V, BLOCK_DQK1, BLOCK_DV1, True, BLOCK_M, DOT_PREC,
             )
-        dk0, dk1, dv = _dkdv_inner(
-            dk0, dk1, dv, k0, k1, v, Qg, DOg, LSE + row, DELTA + row,
+        dk0, dk1, dv, dv1 = _dkdv_inner(
+            dk0, dk1, dv, dv1, k0, k1, v, v1, Qg, DOg, LSE + row, DELTA + row,
             stride_qm, stride_qd, stride_dom, stride_dod,
-            offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv,
+            offs_n, offs_mb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
             full, m_end, M, causal_shift, qk_scale,
-            D_QK, D_V, BLOCK_DQK1, False, BLOCK_M, DOT_PREC,
+            D_QK, D_V, BLOCK_DQK1, BLOCK_DV1, False, BLOCK_M, DOT_PREC,
         )
 
     dk0 = dk0 * scale
@@ -272,15 +289,18 @@ def _bwd_dkdv_kernel(
                  mask=m_n[:, None] & (offs_dq1[None, :] < D_QK))
     tl.store(DV + o_nb[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=m_n[:, None] & (offs_dv[None, :] < D_V))
+    if BLOCK_DV1 > 0:
+        tl.store(DV + o_nb[:, None] * stride_dvn + offs_dv1[None, :], dv1.to(DV.dtype.element_ty),
+                 mask=m_n[:, None] & (offs_dv1[None, :] < D_V))
 
 
 @triton.jit
 def _dq_inner(
-    dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+    dq0, dq1, q0, q1, b_do, b_do1, b_lse2, b_delta,
     K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+    offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
     lo, hi, N, causal_shift, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK1: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV1: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
@@ -306,6 +326,10 @@ def _dq_inner(
         b_v = tl.load(Vn + offs_nb[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_DV1 > 0:  # the value tail (triton_fwd.split_value_dim)
+            b_v1 = tl.load(Vn + offs_nb[:, None] * stride_vn + offs_dv1[None, :] * stride_vd,
+                           mask=m_n[:, None] & (offs_dv1[None, :] < D_V), other=0.0)
+            b_dp += tl.dot(b_do1, tl.trans(b_v1), input_precision=DOT_PREC)
         b_ds = (b_p * (b_dp - b_delta[:, None])).to(b_k0.dtype)
         dq0 = tl.dot(b_ds, b_k0, dq0, input_precision=DOT_PREC)
         if BLOCK_DQK1 > 0:
@@ -326,7 +350,7 @@ def _bwd_dq_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr = 1,
+    STRIDE_UNIT: tl.constexpr = 1, BLOCK_DV1: tl.constexpr = 0,
 ):
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
         stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
@@ -359,6 +383,7 @@ def _bwd_dq_kernel(
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
     offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv1 = BLOCK_DV + tl.arange(0, BLOCK_DV1 if BLOCK_DV1 > 0 else 16)
     m_m = offs_m < M
 
     q0 = tl.load(Q + o_mb[:, None] * stride_qm + offs_dq0[None, :] * stride_qd,
@@ -370,6 +395,11 @@ def _bwd_dq_kernel(
         q1 = q0
     b_do = tl.load(DO + o_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                    mask=m_m[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_M, BLOCK_DV]
+    if BLOCK_DV1 > 0:  # dO's value tail (triton_fwd.split_value_dim)
+        b_do1 = tl.load(DO + o_mb[:, None] * stride_dom + offs_dv1[None, :] * stride_dod,
+                        mask=m_m[:, None] & (offs_dv1[None, :] < D_V), other=0.0)
+    else:
+        b_do1 = b_do
     b_lse2 = _load_lse2(LSE + row, offs_m, M)
     b_delta = tl.load(DELTA + row + offs_m, mask=m_m, other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DQK0], dtype=tl.float32)
@@ -383,18 +413,18 @@ def _bwd_dq_kernel(
         full = N
     full = (full // BLOCK_N) * BLOCK_N
     dq0, dq1 = _dq_inner(
-        dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+        dq0, dq1, q0, q1, b_do, b_do1, b_lse2, b_delta,
         K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
         0, full, N, causal_shift, qk_scale,
-        D_QK, D_V, BLOCK_DQK1, False, CAUSAL, BLOCK_N, DOT_PREC,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV1, False, CAUSAL, BLOCK_N, DOT_PREC,
     )
     dq0, dq1 = _dq_inner(
-        dq0, dq1, q0, q1, b_do, b_lse2, b_delta,
+        dq0, dq1, q0, q1, b_do, b_do1, b_lse2, b_delta,
         K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv,
+        offs_m, offs_nb, offs_dq0, offs_dq1, offs_dv, offs_dv1,
         full, hi, N, causal_shift, qk_scale,
-        D_QK, D_V, BLOCK_DQK1, True, CAUSAL, BLOCK_N, DOT_PREC,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV1, True, CAUSAL, BLOCK_N, DOT_PREC,
     )
     dq0 = dq0 * scale
     tl.store(DQ + o_mb[:, None] * stride_dqm + offs_dq0[None, :], dq0.to(DQ.dtype.element_ty),
@@ -431,7 +461,7 @@ def flash_attn_bwd(
         key = (tensor_key(do), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(o), tensor_key(lse),
                tensor_key(dlse), bool(causal), dot_precision(q.dtype), GLUON_DKDV, GLUON_DQ, GLUON_TOKEN_MAJOR,
                SIDE_STREAM_DQ, SIDE_STREAM_MIN_WORK, getattr(sys.modules.get(_FUSED), "FUSED_BWD", None),
-               triton_fwd.STRIDE_UNITS)
+               triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(do, q, k, v, o, lse, dlse, scale)
@@ -446,7 +476,7 @@ def flash_attn_bwd(
         return dq, dk, dv
     assert o.is_contiguous() and lse.is_contiguous()
     bq0, bq1 = split_head_dim(Dqk)
-    bdv = max(16, triton.next_power_of_2(Dv))
+    bdv, bdv1 = split_value_dim(Dv)
     group = Hq // Hkv
     shift = N - M
 
@@ -462,7 +492,8 @@ def flash_attn_bwd(
     plan.pre = Launch(_bwd_preprocess, (triton.cdiv(M, pre_m), B * Hq), (
         S["o"], S["do"], S["delta"], S["lse"], S["dlse"], *unit_strides(o, unit)[:3], *unit_strides(do, unit),
         *(dlse.stride() if dlse is not None else (0, 0, 0)), Hq, M,
-    ), dict(D_V=Dv, BLOCK_DV=bdv, BLOCK_M=pre_m, HAS_DLSE=dlse is not None, STRIDE_UNIT=unit), {})
+    ), dict(D_V=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+            STRIDE_UNIT=unit), {})  # the whole row of dO * O (no split: no dot)
     vals = plan.values(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale)
     plan.pre(*vals)
 
@@ -502,7 +533,7 @@ def flash_attn_bwd(
                 S["q"], S["k"], S["v"], S["do"], S["lse"], S["delta"], *head,
                 *unit_strides(q, unit), *unit_strides(k, unit), *unit_strides(v, unit), *unit_strides(do, unit), *tail,
             ), dict(GROUP=group, D_QK=Dqk, D_V=Dv, BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv, CAUSAL=bool(causal),
-                    BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit),
+                    BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit, BLOCK_DV1=bdv1),
                 dict(num_warps=warps, num_stages=stages))
             launch(*vals)
             return launch
@@ -510,8 +541,8 @@ def flash_attn_bwd(
 
     # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
     es = q.element_size()
-    width, vwidth = (bq0 + bq1) * es // 2, bdv * es // 2
-    fkey = (q.device.index, q.dtype, bq0, bq1, bdv, bool(causal), unit)
+    width, vwidth = (bq0 + bq1) * es // 2, (bdv + bdv1) * es // 2
+    fkey = (q.device.index, q.dtype, bq0, bq1, bdv, bdv1, bool(causal), unit)
 
     def first_dkdv():  # the first call's dK/dV pass: chooses (and compiles) it, keeps it in the plan
         if gluon_dkdv:

@@ -58,8 +58,10 @@ def split_head_dim(d: int) -> tuple[int, int]:
     return main, tail
 
 
-# MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (stride_unit gives 1): for A/B timing only.
+# MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (stride_unit gives 1), MLA_ATTN_VALUE_SPLIT=0 pads the
+# value head to its power of two (split_value_dim gives no tail): for A/B timing only.
 STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
+VALUE_SPLIT = os.environ.get("MLA_ATTN_VALUE_SPLIT", "1") != "0"
 
 
 def stride_unit(*tensors) -> int:
@@ -89,6 +91,14 @@ def unit_strides(t: torch.Tensor, unit: int, lead: int | None = None) -> tuple[i
     st = t.stride()
     n = len(st) - 1 if lead is None else lead
     return tuple(x // unit for x in st[:n]) + tuple(st[n:])
+
+
+def split_value_dim(d: int) -> tuple[int, int]:
+    """Tile widths (main, tail) for a value head of width d: :func:`split_head_dim`'s split where it is narrower
+    than d's power of two (72 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 16), else (that power of two, 0)."""
+    full = max(16, triton.next_power_of_2(d))
+    main, tail = split_head_dim(d)
+    return (main, tail) if VALUE_SPLIT and tail and main + tail < full else (full, 0)
 
 
 try:
@@ -144,13 +154,13 @@ def _in_units(stride_b, stride_h, stride_row, UNIT: tl.constexpr):
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q0, q1,
-    k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_dq1, offs_dv,
+    acc, acc1, l_i, m_i, q0, q1,
+    k_ptrs0, k_ptrs1, v_ptrs, v_ptrs1, stride_kn, stride_vn,
+    offs_m, offs_n, offs_dq1, offs_dv, offs_dv1,
     lo, hi, N, causal_shift, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAD_DQK1: tl.constexpr, PAD_DV: tl.constexpr,
+    BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DV1: tl.constexpr,
+    PAD_DQK1: tl.constexpr, PAD_DV: tl.constexpr, PAD_DV1: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Stream key blocks [lo, hi). MASKED: the block may hold keys >= N or causally hidden keys.
@@ -187,6 +197,8 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None]
+        if BLOCK_DV1 > 0:
+            acc1 = acc1 * alpha[:, None]
         if MASKED:
             b_v = tl.load(v_ptrs + off_vn,
                           mask=m_n[:, None] & (offs_dv[None, :] < D_V), other=0.0)  # [BLOCK_N, BLOCK_DV]
@@ -195,8 +207,16 @@ def _fwd_inner(
         else:
             b_v = tl.load(v_ptrs + off_vn)
         acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=DOT_PREC)
+        if BLOCK_DV1 > 0:  # the value tail (columns BLOCK_DV ..): a second, narrow accumulator
+            if MASKED:
+                b_v1 = tl.load(v_ptrs1 + off_vn, mask=m_n[:, None] & (offs_dv1[None, :] < D_V), other=0.0)
+            elif PAD_DV1:
+                b_v1 = tl.load(v_ptrs1 + off_vn, mask=offs_dv1[None, :] < D_V, other=0.0)
+            else:
+                b_v1 = tl.load(v_ptrs1 + off_vn)
+            acc1 = tl.dot(b_p.to(b_v1.dtype), b_v1, acc1, input_precision=DOT_PREC)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc1, l_i, m_i
 
 
 @triton.jit
@@ -211,8 +231,10 @@ def _flash_fwd_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DQK0: tl.constexpr, BLOCK_DQK1: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    STRIDE_UNIT: tl.constexpr = 1,
+    STRIDE_UNIT: tl.constexpr = 1, BLOCK_DV1: tl.constexpr = 0,
 ):
+    # BLOCK_DV1 > 0: the value head split as the score's is (split_value_dim): columns [0, BLOCK_DV) in one
+    # accumulator, [BLOCK_DV, BLOCK_DV + BLOCK_DV1) in a second, so a 72-wide head computes 80 columns, not 128.
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (stride_unit): their alignment is now known
         stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
         stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
@@ -244,6 +266,8 @@ def _flash_fwd_kernel(
     offs_dq0 = tl.arange(0, BLOCK_DQK0)
     offs_dq1 = BLOCK_DQK0 + tl.arange(0, BLOCK_DQK1 if BLOCK_DQK1 > 0 else 16)
     offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv1 = BLOCK_DV + tl.arange(0, BLOCK_DV1 if BLOCK_DV1 > 0 else 16)
+    PAD_DV1: tl.constexpr = BLOCK_DV + BLOCK_DV1 > D_V
     PAD_DQK0: tl.constexpr = BLOCK_DQK0 > D_QK
     PAD_DQK1: tl.constexpr = BLOCK_DQK0 + BLOCK_DQK1 > D_QK
     PAD_DV: tl.constexpr = BLOCK_DV > D_V
@@ -265,12 +289,17 @@ def _flash_fwd_kernel(
     k_ptrs0 = K + offs_n[None, :] * stride_kn + offs_dq0[:, None] * stride_kd
     k_ptrs1 = K + offs_n[None, :] * stride_kn + offs_dq1[:, None] * stride_kd
     v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    v_ptrs1 = V + offs_n[:, None] * stride_vn + offs_dv1[None, :] * stride_vd
     if PAD_DQK0:
         # Only for Dqk < 16: fold the column mask into the key pointer range by clamping reads
         # to column 0 and zeroing q's padded columns (already zero above), so no extra mask is needed.
         k_ptrs0 = K + offs_n[None, :] * stride_kn + tl.where(offs_dq0 < D_QK, offs_dq0, 0)[:, None] * stride_kd
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if BLOCK_DV1 > 0:
+        acc1 = tl.zeros([BLOCK_M, BLOCK_DV1], dtype=tl.float32)
+    else:
+        acc1 = acc  # no tail: passed through the loops untouched
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
 
@@ -283,16 +312,16 @@ def _flash_fwd_kernel(
         hi = N
         full = N
     full = (full // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_dq1, offs_dv, 0, full, N, causal_shift, qk_scale,
-        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, PAD_DQK1, PAD_DV,
+    acc, acc1, l_i, m_i = _fwd_inner(
+        acc, acc1, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, v_ptrs1, stride_kn, stride_vn,
+        offs_m, offs_n, offs_dq1, offs_dv, offs_dv1, 0, full, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, BLOCK_DV1, PAD_DQK1, PAD_DV, PAD_DV1,
         False, CAUSAL, BLOCK_N, DOT_PREC,
     )
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_dq1, offs_dv, full, hi, N, causal_shift, qk_scale,
-        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, PAD_DQK1, PAD_DV,
+    acc, acc1, l_i, m_i = _fwd_inner(
+        acc, acc1, l_i, m_i, q0, q1, k_ptrs0, k_ptrs1, v_ptrs, v_ptrs1, stride_kn, stride_vn,
+        offs_m, offs_n, offs_dq1, offs_dv, offs_dv1, full, hi, N, causal_shift, qk_scale,
+        D_QK, D_V, BLOCK_DQK1, BLOCK_DV, BLOCK_DV1, PAD_DQK1, PAD_DV, PAD_DV1,
         True, CAUSAL, BLOCK_N, DOT_PREC,
     )
 
@@ -307,6 +336,13 @@ def _flash_fwd_kernel(
         tl.store(o_ptrs, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & (offs_dv[None, :] < D_V))
     else:
         tl.store(o_ptrs, b_o.to(O.dtype.element_ty), mask=m_m[:, None])
+    if BLOCK_DV1 > 0:
+        b_o1 = acc1 / l_safe[:, None]
+        o_ptrs1 = O + o_mb[:, None] * stride_om + offs_dv1[None, :]
+        if PAD_DV1:
+            tl.store(o_ptrs1, b_o1.to(O.dtype.element_ty), mask=m_m[:, None] & (offs_dv1[None, :] < D_V))
+        else:
+            tl.store(o_ptrs1, b_o1.to(O.dtype.element_ty), mask=m_m[:, None])
 
 
 def flash_attn_fwd(
@@ -327,7 +363,7 @@ def flash_attn_fwd(
     """
     key = None
     if _fast.enabled() and config is None:
-        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype), STRIDE_UNITS)
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype), STRIDE_UNITS, VALUE_SPLIT)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q, k, v, scale)
@@ -338,7 +374,7 @@ def flash_attn_fwd(
     if B * Hq * M == 0:
         return o, lse
     bq0, bq1 = split_head_dim(Dqk)
-    bdv = max(16, triton.next_power_of_2(Dv))
+    bdv, bdv1 = split_value_dim(Dv)
     values = (q, k, v, o, lse, scale * LOG2E)  # the per-call values: Slot(i) is the i-th
     unit = stride_unit(q, k, v, o)
 
@@ -349,17 +385,17 @@ def flash_attn_fwd(
             *unit_strides(q, unit), *unit_strides(k, unit), *unit_strides(v, unit), *unit_strides(o, unit)[:3],
             Hq, M, N, N - M, Slot(5),
         ), dict(GROUP=Hq // Hkv, D_QK=Dqk, D_V=Dv, BLOCK_DQK0=bq0, BLOCK_DQK1=bq1, BLOCK_DV=bdv, CAUSAL=bool(causal),
-                BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit),
+                BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), STRIDE_UNIT=unit, BLOCK_DV1=bdv1),
             dict(num_warps=warps, num_stages=stages))
         run(*values)
         return run
 
     # fp32 tiles take twice the bytes of fp16/bf16 ones: look them up as twice as wide.
     width = (bq0 + bq1) * q.element_size() // 2
-    first = config or _fwd_config(width, bdv * q.element_size() // 2, causal)
+    first = config or _fwd_config(width, (bdv + bdv1) * q.element_size() // 2, causal)
     plan = _FwdPlan()
     plan.o_shape, plan.lse_shape = o.shape, lse.shape
-    plan.launch = launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bool(causal), unit), first,
+    plan.launch = launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bdv1, bool(causal), unit), first,
                                        pinned=config is not None)
     if key is not None:
         _plans.put(key, plan)
