@@ -56,6 +56,8 @@ VARIANTS = [
     {"name": "failing case"},
     {"name": "no value split", "split": False},
     {"name": "contiguous (unit 8)", "layout": "contiguous"},
+    {"name": "contiguous, units off", "layout": "contiguous", "units": False},
+    {"name": "contiguous, units off, no split", "layout": "contiguous", "units": False, "split": False},
     {"name": "fp16", "dtype": "float16"},
     {"name": "not causal", "causal": False},
     {"name": "tiles 64,64,4,2", "cfg": [64, 64, 4, 2]},
