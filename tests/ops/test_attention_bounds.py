@@ -1,0 +1,103 @@
+"""The Triton attention kernels touch only the elements of their tensors (CPU interpreter).
+
+Every load and store the interpreter runs is checked lane by lane: an address that a mask leaves on
+must be an element of q, k, v, dO or of a buffer the launchers allocated. Padding inside a strided
+view's storage counts as outside. On a GPU an access past an allocation faults, or silently reads a
+neighbour, and the oracle tests cannot tell which lanes read what. The inputs are token-major q and
+k/v views into padded storage (rows of 77 elements: the strides are passed as they are), at the GPU
+table's tile shapes, for head widths whose value tail is split off (72 = 64 + 16, 40 = 32 + 16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mla_attn.ops.attention import triton_fwd
+from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
+from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="checks the interpreter's accesses (CPU only)")
+
+
+def _addresses(t: torch.Tensor) -> np.ndarray:
+    """Byte addresses of every element of t (any strides)."""
+    off = torch.zeros((), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        off = off + torch.arange(size).view(shape) * stride
+    return t.data_ptr() + off.flatten().numpy() * t.element_size()
+
+
+@pytest.fixture
+def accesses(monkeypatch):
+    """(register(tensor), bad): register the tensors a kernel may touch; bad lists the accesses outside them."""
+    import triton.runtime.interpreter as interp
+
+    allowed: list[np.ndarray] = []
+    bad: list[tuple[str, int]] = []
+    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
+
+    def check(kind, ptrs, mask):
+        on = np.asarray(ptrs.data)[np.asarray(mask.data).astype(bool)]
+        ok = np.isin(on, np.concatenate(allowed)) if allowed else np.zeros(on.shape, bool)
+        if not ok.all():
+            bad.append((kind, int((~ok).sum())))
+
+    def checked_load(self, ptrs, mask, other, *args):
+        check("load", ptrs, mask)
+        return load(self, ptrs, mask, other, *args)
+
+    def checked_store(self, ptrs, value, mask, *args):
+        check("store", ptrs, mask)
+        return store(self, ptrs, value, mask, *args)
+
+    def alloc(shape, device, dtype):
+        t = torch.full(shape, float("nan"), device=device, dtype=dtype)
+        allowed.append(_addresses(t))
+        return t
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", checked_load)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", checked_store)
+    monkeypatch.setattr(triton_fwd, "_alloc", alloc)
+    return (lambda t: allowed.append(_addresses(t))), bad
+
+
+def _padded(t: torch.Tensor, pad_n: int = 3, pad_d: int = 5) -> torch.Tensor:
+    b, h, n, d = t.shape
+    buf = torch.full((b, n + pad_n, h, d + pad_d), float("nan"), dtype=t.dtype)
+    view = buf[:, :n, :, :d].transpose(1, 2)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("dqk,dv", [(72, 72), (40, 40)], ids=lambda d: str(d))
+@pytest.mark.parametrize("m,n", [(130, 127), (61, 140)], ids=lambda x: str(x))
+def test_triton_kernels_touch_only_their_tensors(dqk, dv, m, n, accesses):
+    register, bad = accesses
+    q = torch.randn(1, m, 2, dqk).transpose(1, 2)
+    k, v = _padded(torch.randn(1, 2, n, dqk)), _padded(torch.randn(1, 2, n, dv))
+    do = torch.randn(1, 2, m, dv)
+    for t in (q, k, v, do):
+        register(t)
+    assert triton_fwd.split_value_dim(dv)[1] > 0 and triton_fwd.stride_unit(q, k, v) == 1
+    # The GPU table's tiles (triton_fwd._fwd_config, triton_bwd._dkdv_config / _dq_config at widths <= 192).
+    o, lse = flash_attn_fwd(q, k, v, True, dqk ** -0.5, config=(128, 64, 8, 3))
+    assert not bad, f"forward: {bad}"
+    flash_attn_bwd(do, q, k, v, o, lse, True, dqk ** -0.5, dkdv_config=(64, 128, 8, 3), dq_config=(128, 64, 8, 3))
+    assert not bad, f"backward: {bad}"
+
+
+def test_the_check_sees_an_access_outside(accesses):
+    # The same call with v left unregistered: every read of v is outside.
+    register, bad = accesses
+    q, k, v = torch.randn(1, 2, 20, 72), torch.randn(1, 2, 20, 72), torch.randn(1, 2, 20, 72)
+    register(q)
+    register(k)
+    flash_attn_fwd(q, k, v, True, 0.1, config=(32, 32, 4, 1))
+    assert bad and all(kind == "load" for kind, _ in bad)
