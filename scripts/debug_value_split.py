@@ -1,5 +1,6 @@
 """One forward (and backward) of the Triton attention kernels per subprocess, for a case that faulted on the GPU
-(session 29: 72/72 causal bf16, q token-major, k/v padded views): which setting makes it fault?
+(session 29: 72/72 causal bf16, q token-major, k/v padded views): which setting makes it fault? Each variant
+splits the value head whatever the alignment ("force": the launchers now split only 16-byte-aligned rows).
 
     python scripts/debug_value_split.py            # every variant, one subprocess each
 """
@@ -19,6 +20,8 @@ def one(spec: dict) -> str:
     from mla_attn.testing import attention_oracle
 
     triton_fwd.VALUE_SPLIT = spec.get("split", True)
+    if spec.get("force", True):  # split whatever the rows' alignment (the launchers no longer do: rows_aligned)
+        triton_fwd.rows_aligned = lambda *tensors: True
     triton_fwd.STRIDE_UNITS = spec.get("units", True)
     b, hq, hkv, m, n, dqk, dv = spec.get("shape", (1, 3, 3, 257, 255, 72, 72))
     dtype = getattr(torch, spec.get("dtype", "bfloat16"))

@@ -76,16 +76,24 @@ def _padded(t: torch.Tensor, pad_n: int = 3, pad_d: int = 5) -> torch.Tensor:
     return view
 
 
+@pytest.mark.parametrize("layout", ["padded", "token-major"])
 @pytest.mark.parametrize("dqk,dv", [(72, 72), (40, 40)], ids=lambda d: str(d))
 @pytest.mark.parametrize("m,n", [(130, 127), (61, 140)], ids=lambda x: str(x))
-def test_triton_kernels_touch_only_their_tensors(dqk, dv, m, n, accesses):
+def test_triton_kernels_touch_only_their_tensors(dqk, dv, m, n, layout, accesses):
+    # padded: k/v rows of 77 elements (strides as they are, the value head padded); token-major: [B, L, H, D]
+    # views as the layers pass them (strides in units of 8, the value head split).
     register, bad = accesses
     q = torch.randn(1, m, 2, dqk).transpose(1, 2)
-    k, v = _padded(torch.randn(1, 2, n, dqk)), _padded(torch.randn(1, 2, n, dv))
+    if layout == "padded":
+        k, v = _padded(torch.randn(1, 2, n, dqk)), _padded(torch.randn(1, 2, n, dv))
+    else:
+        k, v = torch.randn(1, n, 2, dqk).transpose(1, 2), torch.randn(1, n, 2, dv).transpose(1, 2)
     do = torch.randn(1, 2, m, dv)
     for t in (q, k, v, do):
         register(t)
-    assert triton_fwd.split_value_dim(dv)[1] > 0 and triton_fwd.stride_unit(q, k, v) == 1
+    aligned = layout != "padded"
+    assert triton_fwd.rows_aligned(q, k, v) == aligned
+    assert triton_fwd.stride_unit(q, k, v) == (8 if aligned else 1)
     # The GPU table's tiles (triton_fwd._fwd_config, triton_bwd._dkdv_config / _dq_config at widths <= 192).
     o, lse = flash_attn_fwd(q, k, v, True, dqk ** -0.5, config=(128, 64, 8, 3))
     assert not bad, f"forward: {bad}"

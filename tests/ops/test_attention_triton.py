@@ -155,6 +155,11 @@ def test_split_value_dim():
     assert [split(d) for d in (8, 16, 20, 32, 40, 48, 64, 72, 80, 96, 128, 160, 512)] == [
         (16, 0), (16, 0), (32, 0), (32, 0), (32, 16), (32, 16), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0),
         (128, 32), (512, 0)]
+    # Rows that are not 16-byte aligned keep the padded tile (Triton 3.6 miscompiles the split there).
+    assert split(72, aligned=False) == (128, 0) and split(40, aligned=False) == (64, 0)
+    assert triton_fwd.rows_aligned(torch.empty(2, 3, 5, 72, dtype=torch.bfloat16))
+    assert not triton_fwd.rows_aligned(torch.empty(2, 3, 5, 77, dtype=torch.bfloat16)[..., :72])
+    assert triton_fwd.rows_aligned(torch.empty(2, 3, 5, 36, dtype=torch.float32), None)
 
 
 def test_stride_unit_is_what_divides_every_leading_stride():
@@ -383,6 +388,9 @@ GPU_CASES = [
     (1, 4, 1, 300, 700, 576, 512, True),
     (1, 3, 3, 257, 255, 72, 72, True),   # contiguous: leading strides passed / 8 (stride_unit)
     (2, 6, 2, 333, 333, 36, 20, True),   # ... / 4
+    (1, 4, 2, 300, 300, 40, 40, True),   # the value head split 32 + 16 (contiguous; strided: padded to 64)
+    (1, 4, 4, 257, 257, 96, 96, True),   # ... 64 + 32
+    (1, 2, 2, 257, 257, 160, 160, True),  # ... 128 + 32
     (1, 4, 2, 257, 300, 48, 32, False),
     (1, 4, 4, 511, 511, 64, 64, True),
 ]

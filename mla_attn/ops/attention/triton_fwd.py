@@ -93,12 +93,23 @@ def unit_strides(t: torch.Tensor, unit: int, lead: int | None = None) -> tuple[i
     return tuple(x // unit for x in st[:n]) + tuple(st[n:])
 
 
-def split_value_dim(d: int) -> tuple[int, int]:
+def split_value_dim(d: int, aligned: bool = True) -> tuple[int, int]:
     """Tile widths (main, tail) for a value head of width d: :func:`split_head_dim`'s split where it is narrower
-    than d's power of two (72 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 16), else (that power of two, 0)."""
+    than d's power of two (72 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 16), else (that power of two, 0).
+
+    Only for ``aligned`` rows (:func:`rows_aligned`). With rows that are not, the loads go an element at a time
+    and Triton 3.6 miscompiles the split for sm_90: wrong outputs, or a shared-memory read out of bounds
+    (compute-sanitizer, H200, session 29; ``scripts/debug_value_split.py``). The padded tile is right there."""
     full = max(16, triton.next_power_of_2(d))
     main, tail = split_head_dim(d)
-    return (main, tail) if VALUE_SPLIT and tail and main + tail < full else (full, 0)
+    return (main, tail) if VALUE_SPLIT and aligned and tail and main + tail < full else (full, 0)
+
+
+def rows_aligned(*tensors) -> bool:
+    """Whether every tensor starts on 16 bytes and every leading stride is a multiple of 16 bytes: the kernels'
+    loads are then 16 bytes wide (with :func:`stride_unit`)."""
+    return all(t is None or (t.data_ptr() % 16 == 0 and all(x * t.element_size() % 16 == 0 for x in t.stride()[:-1]))
+               for t in tensors)
 
 
 try:
@@ -374,7 +385,7 @@ def flash_attn_fwd(
     if B * Hq * M == 0:
         return o, lse
     bq0, bq1 = split_head_dim(Dqk)
-    bdv, bdv1 = split_value_dim(Dv)
+    bdv, bdv1 = split_value_dim(Dv, rows_aligned(q, k, v, o))
     values = (q, k, v, o, lse, scale * LOG2E)  # the per-call values: Slot(i) is the i-th
     unit = stride_unit(q, k, v, o)
 
