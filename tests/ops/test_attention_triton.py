@@ -413,7 +413,7 @@ def test_gpu_matches_oracle(case, dtype, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128)], ids=lambda d: str(d))
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128), (72, 72)], ids=lambda d: str(d))
 def test_gpu_float32_fits(dqk, dv, poison):
     # fp32 tiles are twice as large: the launcher must pick (or fall back to) tiles that fit.
     _check(1, 4, 2, 300, 333, dqk, dv, True, torch.float32, device="cuda")
