@@ -27,8 +27,8 @@ import triton.language as tl
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
-from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_with_fallback, rows_aligned, split_head_dim,
-                         split_value_dim, stride_unit, unit_strides)
+from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_with_fallback, rows_aligned,
+                         split_head_dim, split_value_dim, stride_unit, unit_strides)
 
 
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps

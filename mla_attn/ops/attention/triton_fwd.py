@@ -374,7 +374,8 @@ def flash_attn_fwd(
     """
     key = None
     if _fast.enabled() and config is None:
-        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype), STRIDE_UNITS, VALUE_SPLIT)
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), dot_precision(q.dtype), STRIDE_UNITS,
+               VALUE_SPLIT)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q, k, v, scale)
@@ -406,7 +407,8 @@ def flash_attn_fwd(
     first = config or _fwd_config(width, (bdv + bdv1) * q.element_size() // 2, causal)
     plan = _FwdPlan()
     plan.o_shape, plan.lse_shape = o.shape, lse.shape
-    plan.launch = launch_with_fallback(launch, ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bdv1, bool(causal), unit), first,
+    fkey = ("fwd", q.device.index, q.dtype, bq0, bq1, bdv, bdv1, bool(causal), unit)
+    plan.launch = launch_with_fallback(launch, fkey, first,
                                        pinned=config is not None)
     if key is not None:
         _plans.put(key, plan)
