@@ -135,6 +135,7 @@ CASES = [
     (1, 4, 2, 37, 70, 96, 96, True, torch.float32),    # 64 + 32, no padding
     (2, 3, 3, 29, 29, 40, 40, False, torch.float16),   # 32 + 16, tail padded
     (1, 4, 1, 50, 80, 64, 80, True, torch.float32),    # MQA, Dv 80 = 64 + 16 wider than Dqk
+    (1, 2, 1, 20, 33, 160, 160, True, torch.float32),  # 128 + 32 (padded views: copied, see below)
     (1, 3, 1, 9, 9, 8, 24, True, torch.float32),
 ]
 
@@ -160,6 +161,27 @@ def test_split_value_dim():
     assert triton_fwd.rows_aligned(torch.empty(2, 3, 5, 72, dtype=torch.bfloat16))
     assert not triton_fwd.rows_aligned(torch.empty(2, 3, 5, 77, dtype=torch.bfloat16)[..., :72])
     assert triton_fwd.rows_aligned(torch.empty(2, 3, 5, 36, dtype=torch.float32), None)
+
+
+def test_unaligned_rows_of_split_widths_are_copied(monkeypatch):
+    # A value width that splits, on rows that are not 16-byte aligned (views into padded storage): the op copies
+    # them to contiguous for the kernels (Triton 3.6 miscompiles the element-wide loads there); other widths,
+    # and rows a copy would not align, go as they are.
+    from mla_attn.ops.attention import function
+
+    seen = []
+    real = function.flash_attn_fwd
+    monkeypatch.setattr(function, "flash_attn_fwd", lambda q, k, v, *a: seen.append((q, k, v)) or real(q, k, v, *a))
+    for dv, copied in ((72, True), (64, False), (20, False)):
+        buf = torch.randn(1, 12, 2, dv + 5, dtype=torch.float16)
+        k = v = buf[:, :, :, :dv].transpose(1, 2)
+        q = torch.randn(1, 2, 7, dv, dtype=torch.float16)
+        flash_attention(q, k, v, True, 0.2)
+        got_k = seen[-1][1]
+        assert got_k.is_contiguous() == copied and torch.equal(got_k, k), dv
+    fwd = triton_fwd.aligned_for_split
+    a, b = torch.empty(1, 2, 3, 72), torch.empty(1, 2, 3, 77)[..., :72]
+    assert fwd(72, a, None)[0] is a and fwd(72, b)[0].is_contiguous() and fwd(128, b)[0] is b
 
 
 def test_stride_unit_is_what_divides_every_leading_stride():

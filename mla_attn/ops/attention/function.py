@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .triton_bwd import flash_attn_bwd
-from .triton_fwd import flash_attn_fwd
+from .triton_fwd import aligned_for_split, flash_attn_fwd
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -54,7 +54,8 @@ def _flash_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
         from .gluon_fwd import flash_fwd_gluon
 
         return flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=GLUON_TOKEN_MAJOR)
-    return flash_attn_fwd(_unit_last(q), _unit_last(k), _unit_last(v), causal, scale)
+    q, k, v = aligned_for_split(v.shape[-1], _unit_last(q), _unit_last(k), _unit_last(v))
+    return flash_attn_fwd(q, k, v, causal, scale)
 
 
 _flash_attn_fwd_op = torch.library.custom_op("mla_attn::flash_attn_fwd", _flash_attn_fwd_impl, mutates_args=())
@@ -68,8 +69,8 @@ def _(q, k, v, causal, scale):
 
 def _flash_attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                          causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return flash_attn_bwd(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
-                          o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
+    do, q, k, v = aligned_for_split(v.shape[-1], _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v))
+    return flash_attn_bwd(do, q, k, v, o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
 
 
 _flash_attn_bwd_op = torch.library.custom_op("mla_attn::flash_attn_bwd", _flash_attn_bwd_impl, mutates_args=())
