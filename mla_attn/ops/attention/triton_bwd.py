@@ -132,6 +132,16 @@ def _load_lse2(LSE, offs, M):
 
 
 @triton.jit
+def _inputs_in_units(qb, qh, qm, kb, kh, kn, vb, vh, vn, dob, doh, dom, UNIT: tl.constexpr):
+    # q's, k's, v's and dO's leading strides multiplied back by UNIT (triton_fwd.stride_unit), for both passes.
+    qb, qh, qm = _in_units(qb, qh, qm, UNIT)
+    kb, kh, kn = _in_units(kb, kh, kn, UNIT)
+    vb, vh, vn = _in_units(vb, vh, vn, UNIT)
+    dob, doh, dom = _in_units(dob, doh, dom, UNIT)
+    return qb, qh, qm, kb, kh, kn, vb, vh, vn, dob, doh, dom
+
+
+@triton.jit
 def _dkdv_inner(
     dk0, dk1, dv, dv1, k0, k1, v, v1,
     Q, DO, LSE, DELTA,
@@ -197,10 +207,10 @@ def _bwd_dkdv_kernel(
     # BLOCK_DV1 > 0: V, dO and dV split in columns [0, BLOCK_DV) and [BLOCK_DV, BLOCK_DV + BLOCK_DV1), as in
     # the forward (triton_fwd.split_value_dim).
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
-        stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
-        stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
-        stride_vb, stride_vh, stride_vn = _in_units(stride_vb, stride_vh, stride_vn, STRIDE_UNIT)
-        stride_dob, stride_doh, stride_dom = _in_units(stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
+        (stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+         stride_dob, stride_doh, stride_dom) = _inputs_in_units(
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
         stride_dkb, stride_dkh, stride_dkn = _in_units(stride_dkb, stride_dkh, stride_dkn, STRIDE_UNIT)
         stride_dvb, stride_dvh, stride_dvn = _in_units(stride_dvb, stride_dvh, stride_dvn, STRIDE_UNIT)
     pid_n = tl.program_id(0)
@@ -353,10 +363,10 @@ def _bwd_dq_kernel(
     STRIDE_UNIT: tl.constexpr = 1, BLOCK_DV1: tl.constexpr = 0,
 ):
     if STRIDE_UNIT != 1:  # the leading strides came divided by it (triton_fwd.stride_unit)
-        stride_qb, stride_qh, stride_qm = _in_units(stride_qb, stride_qh, stride_qm, STRIDE_UNIT)
-        stride_kb, stride_kh, stride_kn = _in_units(stride_kb, stride_kh, stride_kn, STRIDE_UNIT)
-        stride_vb, stride_vh, stride_vn = _in_units(stride_vb, stride_vh, stride_vn, STRIDE_UNIT)
-        stride_dob, stride_doh, stride_dom = _in_units(stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
+        (stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+         stride_dob, stride_doh, stride_dom) = _inputs_in_units(
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            stride_dob, stride_doh, stride_dom, STRIDE_UNIT)
         stride_dqb, stride_dqh, stride_dqm = _in_units(stride_dqb, stride_dqh, stride_dqm, STRIDE_UNIT)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
