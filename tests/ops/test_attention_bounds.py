@@ -10,9 +10,6 @@ table's tile shapes, for head widths whose value tail is split off (72 = 64 + 16
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 import torch
 
@@ -20,52 +17,17 @@ from mla_attn.ops.attention import triton_fwd
 from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
 from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="checks the interpreter's accesses (CPU only)")
-
-
-def _addresses(t: torch.Tensor) -> np.ndarray:
-    """Byte addresses of every element of t (any strides)."""
-    off = torch.zeros((), dtype=torch.int64)
-    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        shape = [1] * t.dim()
-        shape[dim] = size
-        off = off + torch.arange(size).view(shape) * stride
-    return t.data_ptr() + off.flatten().numpy() * t.element_size()
-
-
 @pytest.fixture
-def accesses(monkeypatch):
-    """(register(tensor), bad): register the tensors a kernel may touch; bad lists the accesses outside them."""
-    import triton.runtime.interpreter as interp
-
-    allowed: list[np.ndarray] = []
-    bad: list[tuple[str, int]] = []
-    load, store = interp.InterpreterBuilder.create_masked_load, interp.InterpreterBuilder.create_masked_store
-
-    def check(kind, ptrs, mask):
-        on = np.asarray(ptrs.data)[np.asarray(mask.data).astype(bool)]
-        ok = np.isin(on, np.concatenate(allowed)) if allowed else np.zeros(on.shape, bool)
-        if not ok.all():
-            bad.append((kind, int((~ok).sum())))
-
-    def checked_load(self, ptrs, mask, other, *args):
-        check("load", ptrs, mask)
-        return load(self, ptrs, mask, other, *args)
-
-    def checked_store(self, ptrs, value, mask, *args):
-        check("store", ptrs, mask)
-        return store(self, ptrs, value, mask, *args)
+def accesses(access_check, monkeypatch):
+    """(register(tensor), bad), with every buffer the launchers allocate registered (and NaN-filled)."""
 
     def alloc(shape, device, dtype):
         t = torch.full(shape, float("nan"), device=device, dtype=dtype)
-        allowed.append(_addresses(t))
+        access_check.allow(t)
         return t
 
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", checked_load)
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", checked_store)
     monkeypatch.setattr(triton_fwd, "_alloc", alloc)
-    return (lambda t: allowed.append(_addresses(t))), bad
+    return access_check.allow, access_check.bad
 
 
 def _padded(t: torch.Tensor, pad_n: int = 3, pad_d: int = 5) -> torch.Tensor:
