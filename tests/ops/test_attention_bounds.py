@@ -71,3 +71,20 @@ def test_the_check_sees_an_access_outside(accesses):
     register(k)
     flash_attn_fwd(q, k, v, True, 0.1, config=(32, 32, 4, 1))
     assert bad and all(kind == "load" for kind, _ in bad)
+
+
+@pytest.mark.parametrize("hq,hkv,dqk,dv", [(4, 1, 128, 128), (4, 2, 192, 128), (3, 3, 48, 32)],
+                         ids=["mqa-128", "gqa-192x128", "mha-48x32"])
+def test_triton_kernels_touch_only_their_tensors_gqa(hq, hkv, dqk, dv, accesses):
+    # Power-of-two and MLA-expanded widths, GQA / MQA, M > N (rows that see no key), on padded k/v views.
+    register, bad = accesses
+    m, n = 70, 45
+    q = torch.randn(1, m, hq, dqk).transpose(1, 2)
+    k, v = _padded(torch.randn(1, hkv, n, dqk)), _padded(torch.randn(1, hkv, n, dv))
+    do = torch.randn(1, hq, m, dv)
+    for t in (q, k, v, do):
+        register(t)
+    o, lse = flash_attn_fwd(q, k, v, True, dqk ** -0.5, config=(128, 64, 8, 3))
+    assert not bad, f"forward: {bad}"
+    flash_attn_bwd(do, q, k, v, o, lse, True, dqk ** -0.5, dkdv_config=(64, 128, 8, 3), dq_config=(128, 64, 8, 3))
+    assert not bad, f"backward: {bad}"
