@@ -182,6 +182,8 @@ def test_unaligned_rows_of_split_widths_are_copied(monkeypatch):
     fwd = triton_fwd.aligned_for_split
     a, b = torch.empty(1, 2, 3, 72), torch.empty(1, 2, 3, 77)[..., :72]
     assert fwd(72, a, None)[0] is a and fwd(72, b)[0].is_contiguous() and fwd(128, b)[0] is b
+    c = torch.empty(2 * 72 + 1)[1:].view(1, 1, 2, 72)  # contiguous, but 4 bytes off 16: copied all the same
+    assert c.is_contiguous() and not triton_fwd.rows_aligned(c) and triton_fwd.rows_aligned(fwd(72, c)[0])
 
 
 def test_stride_unit_is_what_divides_every_leading_stride():

@@ -107,15 +107,16 @@ def split_value_dim(d: int, aligned: bool = True) -> tuple[int, int]:
 
 def aligned_for_split(d_v: int, *tensors) -> tuple:
     """``tensors`` as the Triton kernels should get them for a value width ``d_v`` that :func:`split_value_dim`
-    splits: any whose rows are not 16-byte aligned copied to contiguous, when that aligns them. Then the split
-    runs, and never the element-wide loads that Triton 3.6 miscompiles with a split or a 128 + 32 score
-    (session 29: 160/160 on padded views faulted on the H100). Other widths, and rows a copy would not
-    align, are returned as they are."""
+    splits: any whose rows are not 16-byte aligned copied to fresh contiguous storage, when that aligns them.
+    Then the split runs, never element-wide loads: with those, Triton 3.6's sm_90 code for the split is wrong,
+    and at 160/160 even the unsplit kernel (score 128 + 32, value padded to 256) faulted on the H100
+    (session 29). Other widths, and rows a copy would not align, are returned as they are."""
     if not split_value_dim(d_v)[1] or rows_aligned(*tensors):
         return tensors
     if any(t is not None and t.shape[-1] * t.element_size() % 16 for t in tensors):
         return tensors
-    return tuple(t if t is None or rows_aligned(t) else t.contiguous() for t in tensors)
+    return tuple(t if t is None or rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 def rows_aligned(*tensors) -> bool:
