@@ -217,3 +217,14 @@ def test_bench_decode_back_to_back_column(monkeypatch):
     header = bench_decode.HEADER.splitlines()[0].strip("|").split("|")
     assert len(cells) == len(header) and header[-1].strip() == "eager back to back (us)"
     assert cells[-1].strip() == "12.5"
+
+
+def test_plot_odd_widths_reads_the_bench_table():
+    # The bar chart's parser against a table bench_attention.py --odd-widths wrote on the GPU (no matplotlib).
+    import plot_odd_widths
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = plot_odd_widths.read_rows(os.path.join(root, "docs", "raw", "bench_odd_widths_890d698_h100.md"))
+    assert [r["label"].split("\n")[0] for r in rows] == ["64/64", "40/40", "72/72", "72/72", "80/80", "96/96",
+                                                          "160/160"]
+    assert rows[-1]["fwd+bwd"] == [28.0, 28.0, 252.0, 262.0] and rows[2]["fwd"] == [100.0, 212.0, 217.0, 289.0]
