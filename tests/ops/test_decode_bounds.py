@@ -105,3 +105,17 @@ def test_the_check_sees_a_read_past_a_length(check):
     _allow_tokens(check, v, [8])
     td.gqa_decode(q, k, v, seq_lens, None, 0.25, 1)
     assert check.bad and all(kind == "load" for kind, _ in check.bad)
+
+
+@pytest.mark.parametrize("k,rows,dv", [(3, 7, 72), (5, 13, 33), (1, 4, 512)], ids=lambda x: str(x))
+def test_merge_touches_only_its_parts(k, rows, dv, check):
+    # The split-KV combine alone: parts with -inf rows, odd widths; it may touch only its inputs and outputs.
+    o_parts = torch.randn(k, rows, dv)
+    lse_parts = torch.randn(k, rows)
+    lse_parts[0, 1] = float("-inf")
+    for t in (o_parts, lse_parts):
+        check.allow(t)
+    o, lse = combine_mod.merge_attention_states_triton(o_parts, lse_parts)
+    assert not check.bad, check.bad
+    w = torch.softmax(lse_parts, 0).nan_to_num(0.0)  # a row whose parts are all -inf: o = 0
+    torch.testing.assert_close(o, (w[..., None] * o_parts).sum(0), atol=1e-5, rtol=1e-5)
