@@ -85,12 +85,10 @@ def stride_unit(*tensors) -> int:
     return g & -g
 
 
-def unit_strides(t: torch.Tensor, unit: int, lead: int | None = None) -> tuple[int, ...]:
-    """t's strides with the leading ones divided by ``unit`` (see :func:`stride_unit`); ``lead`` of them only
-    (default: all but the last, which the kernels read as the head-dim stride)."""
+def unit_strides(t: torch.Tensor, unit: int) -> tuple[int, ...]:
+    """t's strides with all but the last (the head-dim stride) divided by ``unit`` (see :func:`stride_unit`)."""
     st = t.stride()
-    n = len(st) - 1 if lead is None else lead
-    return tuple(x // unit for x in st[:n]) + tuple(st[n:])
+    return tuple(x // unit for x in st[:-1]) + st[-1:]
 
 
 def split_value_dim(d: int, aligned: bool = True) -> tuple[int, int]:
