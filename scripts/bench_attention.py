@@ -75,6 +75,17 @@ def _ms_pair(fa, fb, grads=None):
     return (a1 + a2) / 2, (b1 + b2) / 2
 
 
+def _rotated_medians(cands: dict, rounds: int, grads=None) -> dict:
+    """Median ms of each candidate over ``rounds`` rounds, every candidate once a round, the order rotated each
+    round (so no candidate always runs first, or just after the same one)."""
+    names = list(cands)
+    times = {nm: [] for nm in names}
+    for r in range(rounds):
+        for nm in names[r % len(names):] + names[:r % len(names)]:
+            times[nm].append(_ms(cands[nm], grads))
+    return {nm: sorted(ts)[len(ts) // 2] for nm, ts in times.items()}
+
+
 def _no_side(fn):
     """fn() with the backward's side-stream dQ switched off for the call."""
     from mla_attn.ops.attention import triton_bwd
@@ -308,12 +319,7 @@ def _bench_forward_variants(out, label, variants, takes=lambda q, k, v: True, ro
                 cands[name] = lambda fn=fn: fn(q, k, v, scale)
             except Exception as e:  # report, go on
                 print(f"{label} {name} B={b} {hq}/{hkv} L={n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        names = list(cands)
-        times = {nm: [] for nm in names}
-        for r in range(rounds):
-            for nm in names[r % len(names):] + names[:r % len(names)]:
-                times[nm].append(_ms(cands[nm]))
-        med = {nm: sorted(ts)[len(ts) // 2] for nm, ts in times.items()}
+        med = _rotated_medians(cands, rounds)
         for name, _ in variants:
             if name not in errs:
                 continue
@@ -431,12 +437,7 @@ def _bench_toggle(out, mod, attr, values, labels, rows, rounds=5):
             return run
 
         cands = {a: ours(values[0]), b_: ours(values[1]), "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
-        names = list(cands)
-        times = {nm: [] for nm in names}
-        for r in range(rounds):
-            for nm in names[r % len(names):] + names[:r % len(names)]:
-                times[nm].append(_ms(cands[nm], [q, k, v]))
-        tf = {nm: flops / (sorted(ts)[len(ts) // 2] * 1e-3) / 1e12 for nm, ts in times.items()}
+        tf = {nm: flops / (t * 1e-3) / 1e12 for nm, t in _rotated_medians(cands, rounds, [q, k, v]).items()}
         lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tf[a]:.0f} | {tf[b_]:.0f} | "
                      f"{tf[a] / tf[b_]:.3f} | {tf['sdpa']:.0f} | {tf[a] / tf['sdpa']:.3f} |")
         print(lines[-1], flush=True)
@@ -657,12 +658,7 @@ def bench_hsplit(out=None, rounds=3):
                     _ours(q, k, v, scale).backward(do)
                 cands[name] = run
             cands["sdpa"] = lambda: _sdpa(q, k, v, scale).backward(do)
-            names = list(cands)
-            times = {nm: [] for nm in names}
-            for r in range(rounds):
-                for nm in names[r % len(names):] + names[:r % len(names)]:
-                    times[nm].append(_ms(cands[nm], [q, k, v]))
-            med = {nm: sorted(ts)[len(ts) // 2] for nm, ts in times.items()}
+            med = _rotated_medians(cands, rounds, [q, k, v])
             gluon_bwd.DKDV_HSPLIT = "auto"
             hs = gluon_bwd._hsplit(row[0], row[1], row[2], row[3], 128, q.device)
             tf = {nm: flops / (t * 1e-3) / 1e12 for nm, t in med.items()}
@@ -727,14 +723,9 @@ def bench_odd_widths(out=None, rounds=3):
             for grad in (False, True):
                 cands = {nm: ours(flags, grad) for nm, flags in variants.items()}
                 cands["sdpa"] = (lambda: _sdpa(q, k, v, scale).backward(do)) if grad else sdpa_fwd
-                names = list(cands)
-                times = {nm: [] for nm in names}
-                for r in range(rounds):
-                    for nm in names[r % len(names):] + names[:r % len(names)]:
-                        times[nm].append(_ms(cands[nm], [q, k, v] if grad else None))
                 f = flops if grad else flops / 3.5
-                for nm, ts in times.items():
-                    tf[(grad, nm)] = f / (sorted(ts)[len(ts) // 2] * 1e-3) / 1e12
+                for nm, t in _rotated_medians(cands, rounds, [q, k, v] if grad else None).items():
+                    tf[(grad, nm)] = f / (t * 1e-3) / 1e12
             b, hq, hkv, n, dqk, dv = row
             cells = []
             for grad in (False, True):
