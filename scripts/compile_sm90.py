@@ -78,7 +78,7 @@ def main():
     ap.add_argument("tiles", help="BLOCK_H|BLOCK_M,BLOCK_N,num_warps,num_stages")
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
-    ap.add_argument("--gqa", action="store_true", help="decode: GQA (D = Dv = 128, separate V, no rope block)")
+    ap.add_argument("--gqa", action="store_true", help="decode: GQA (D = Dv = --dqk, separate V, no rope block)")
     ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--row-align", type=int, default=16,
-                    help="fwd / dkdv / dq: the divisibility Triton sees on the row strides (16 at d 64/128; a d 72 row is 72 elements, 8)")
+                    help="fwd / dkdv / dq / decode --gqa: the divisibility Triton sees on the row strides (16 at d 64/128; a d 72 row is 72 elements, 8)")
     ap.add_argument("--stride-unit", type=int, default=1,
                     help="fwd / dkdv / dq: STRIDE_UNIT (the leading strides passed divided by it; triton_fwd.stride_unit)")
     ap.add_argument("--out", default="/tmp/sm90", help="folder for kernel.ttgir / kernel.ptx")
@@ -122,7 +122,8 @@ def main():
         from mla_attn.ops.decode.triton_decode import _decode_kernel as fn
         ptrs = {"Q1": "*bf16", "Q2": "*bf16", "K1": "*bf16", "K2": "*bf16", "V": "*bf16", "SEQ_LENS": "*i32",
                 "BLOCK_TABLE": "*i32", "O": "*fp32", "LSE": "*fp32", "OF": "*bf16", "LSEF": "*fp32", "TICKETS": "*i32"}
-        dims = dict(D1=128, D2=1, DV=128, BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128) if args.gqa else \
+        wd = max(16, triton.next_power_of_2(args.dqk))  # --gqa: D = Dv = --dqk, padded as the launcher pads it
+        dims = dict(D1=args.dqk, D2=1, DV=args.dqk, BLOCK_D1=wd, BLOCK_D2=16, BLOCK_DV=wd) if args.gqa else \
             dict(D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512)
         const = dict(S=1, **dims, BLOCK_H=a, BLOCK_N=b,
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged,
@@ -131,7 +132,11 @@ def main():
         if args.fused:
             rows, chunk = map(int, args.fused.split(","))
             const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)
-        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+        if args.stride_unit != 1:
+            const["STRIDE_UNIT"] = args.stride_unit
+        # --row-align under 16: the cache's and q's leading strides (a d 72 row) are not known 16-divisible.
+        kernel = _compile(fn, ptrs, const, warps, stages,
+                          aligned=lambda n: n.startswith("stride") and (args.row_align >= 16 or n[-1] in "dp"))
     elif args.kernel == "combine":  # the split-KV combine (ops/decode/combine.py); tiles: BLOCK_R,BLOCK_DV,warps,CHUNK
         from mla_attn.ops.decode.combine import _combine_kernel as fn
         ptrs = {"O_PARTS": "*fp32", "LSE_PARTS": "*fp32", "O": "*bf16", "LSE": "*fp32", "SEQ_LENS": "*i32"}

@@ -9,7 +9,8 @@
 #   ONLY=fusedbulk bash scripts/gpu_check.sh [OUTDIR]   the one-pass backward with dQ out by TMA reduce-add:
 #     tests, probe, fwd+bwd against two passes
 #   ONLY=hsplit bash scripts/gpu_check.sh [OUTDIR]   the dK/dV pass's heads split (MQA, large groups): tests, bench
-#   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   stride units and the value-head split (d 72, 40, 96, ...): Triton attention tests, bench
+#   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   stride units and the value-head split (d 72, 40, 96, ...): Triton attention tests, bench;
+#     the decode's stride units (GQA d 72): tests, bench
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -82,7 +83,10 @@ if [ "${ONLY:-}" = odd ]; then
   # whose rows are not 16-element multiples (72, 40, 36/20): the Triton attention tests, then fwd and fwd+bwd
   # at odd widths with and without it, against SDPA.
   step "triton attention GPU tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_triton.py 2>&1 | tee '$out/gpu_odd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  # Session 30: the same stride units in the Triton decode kernel (GQA at d 72).
+  step "decode GPU tests: d 72" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or gqa_decode_bf16' 2>&1 | tee '$out/gpu_odd_decode_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench odd widths" "$(lim 240)" $PY scripts/bench_attention.py --odd-widths "$out/bench_odd_widths.md"
+  step "bench decode odd widths" "$(lim 150)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
   echo "gpu_check status: $status"
   exit $status
 fi

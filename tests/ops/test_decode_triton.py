@@ -191,6 +191,40 @@ def test_gqa_decode(case):
     _check(o, lse, ref_o, ref_lse, base, dtype)
 
 
+def test_stride_unit_divides_the_leading_strides():
+    unit = td._stride_unit
+    assert unit((2 * 4 * 72, 4 * 72, 72, 1), (0, 0, 0, 0), (16 * 2 * 72, 2 * 72, 72, 1)) == 8
+    assert unit((8 * 128, 128, 128, 1), (64 * 576, 576, 0, 1)) == 1  # multiples of 16 (MLA's 576): as they are
+    assert unit((36, 36, 36, 1), (20, 20, 1)) == 4
+    assert unit((63, 63, 1), (72, 1)) == 1  # an odd stride: nothing to gain
+    assert unit((72, 72, 1000)) == 8  # the last stride (the head-dim one) does not count
+
+
+# Head widths whose rows are not multiples of 16 elements: _launch passes the leading strides divided by a power
+# of two (td._stride_unit) and the kernel multiplies them back. The unit each case runs with is asserted.
+# (B, Hq, Hkv, D, Dv, S, lens, page, splits, dtype, strided, unit)
+UNIT_CASES = [
+    (3, 8, 2, 72, 72, 1, [0, 70, 113], None, 2, F32, False, 8),
+    (2, 6, 2, 72, 72, 2, [45, 113], 16, 3, F16, False, 8),
+    (2, 4, 1, 40, 40, 1, [1, 97], 1, 1, F32, True, 8),
+    (2, 9, 3, 36, 20, 2, [64, 17], 4, 5, F32, False, 4),
+]
+
+
+@pytest.mark.parametrize("case", UNIT_CASES, ids=lambda c: f"D{c[3]}x{c[4]}-{'P' + str(c[7]) if c[7] else 'contig'}"
+                         f"-unit{c[11]}")
+def test_gqa_decode_unaligned_rows(case, monkeypatch):
+    b, hq, hkv, d, dv, s, lens, page, splits, dtype, strided, want = case
+    seen = []
+    real = td._stride_unit
+    monkeypatch.setattr(td, "_stride_unit", lambda *st: seen.append(real(*st)) or seen[-1])
+    q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, dv, s, lens, page, dtype, strided=strided)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
+    assert seen == [want]
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
+
+
 # (B, H, Dc, Dr, S, lens, page, splits, dtype, qmul, via_api)
 MLA_CASES = [
     (3, 16, 64, 16, 1, [0, 17, 100], None, 1, F32, 1.0, False),
@@ -539,6 +573,18 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, 128 ** -0.5, None)
     ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=128 ** -0.5)
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 128 ** -0.5), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 64, 16])
+def test_gqa_decode_d72_bf16_gpu(page):
+    # Rows of 72 elements: strides passed divided by 8 and multiplied back in the kernel (td._stride_unit).
+    lens = [3000, 0, 1, 777]
+    q, k, v, seq_lens, table = _gqa_inputs(4, 32, 8, 72, 72, 1, lens, page, BF16)
+    assert td._stride_unit(q.stride(), k.stride(), v.stride()) == 8
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 72 ** -0.5, None)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=72 ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 72 ** -0.5), BF16)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,6 @@ and for ``M = 5, N = 2`` the first three rows see nothing: they get o = 0, lse =
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -27,6 +26,7 @@ import triton.language as tl
 
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
+from .._strides import _in_units, pow2_unit
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453  # the kernels write these as literals: Triton's JIT reads only tl.constexpr globals
@@ -75,14 +75,7 @@ def stride_unit(*tensors) -> int:
     multiplied by the constant 8 in the kernel, the same addresses are known to be 16-byte aligned."""
     if not STRIDE_UNITS:
         return 1
-    g = 0
-    for t in tensors:
-        if t is not None:
-            for s in t.stride()[:-1]:
-                g = math.gcd(g, s)
-    if g == 0 or g % 16 == 0:
-        return 1
-    return g & -g
+    return pow2_unit(s for t in tensors if t is not None for s in t.stride()[:-1])
 
 
 def unit_strides(t: torch.Tensor, unit: int) -> tuple[int, ...]:
@@ -166,13 +159,6 @@ def _fwd_config(dqk_tiles: int, dv_tile: int, causal: bool) -> tuple[int, int, i
         return 128, 64, 8, 3
     # Very wide heads (MLA un-absorbed 576/512): keep the accumulator within the register file.
     return 64, 32, 8, 2
-
-
-@triton.jit
-def _in_units(stride_b, stride_h, stride_row, UNIT: tl.constexpr):
-    # One tensor's leading strides, passed divided by UNIT (stride_unit), multiplied back: Triton now knows
-    # each is a multiple of UNIT.
-    return stride_b * UNIT, stride_h * UNIT, stride_row * UNIT
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton.language as tl
 from .._common import cdiv, next_pow2
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
+from .._strides import _in_units, pow2_unit
 from .combine import _merge_rows, combine_balanced, combine_splits
 
 _LOG2E = 1.4426950408889634
@@ -234,7 +235,16 @@ def _decode_kernel(
     FUSED: tl.constexpr = False,  # the last split of each row tile to finish merges them (no combine launch)
     MERGE_ROWS: tl.constexpr = 1,  # FUSED: a power of two >= the tile's live rows, <= BLOCK_H
     MERGE_CHUNK: tl.constexpr = 1,  # FUSED: parts merged per step
+    STRIDE_UNIT: tl.constexpr = 1,  # the leading strides of q, the cache and o came divided by it (_stride_unit)
 ):
+    if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
+        stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
+        stride_q2b, stride_q2h, stride_q2s = _in_units(stride_q2b, stride_q2h, stride_q2s, STRIDE_UNIT)
+        stride_k1o, stride_k1t, stride_k1h = _in_units(stride_k1o, stride_k1t, stride_k1h, STRIDE_UNIT)
+        stride_k2o, stride_k2t, stride_k2h = _in_units(stride_k2o, stride_k2t, stride_k2h, STRIDE_UNIT)
+        stride_vo, stride_vt, stride_vh = _in_units(stride_vo, stride_vt, stride_vh, STRIDE_UNIT)
+        stride_op, stride_ob, stride_oh = _in_units(stride_op, stride_ob, stride_oh, STRIDE_UNIT)
+        stride_os = stride_os * STRIDE_UNIT
     pid_row = tl.program_id(0)  # (b, kv head, head tile), head tiles of one KV head adjacent; BALANCED: b = 0
     pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
     i_t = pid_row % NUM_HEAD_TILES
@@ -322,6 +332,18 @@ class DecodeConfig:
 
 
 _NUM_SMS: dict[int, int] = {}
+# MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (_stride_unit gives 1): for A/B timing only.
+STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
+
+
+def _stride_unit(*strides) -> int:
+    """What ``_launch`` divides the leading strides of q, the cache and o by, the kernel multiplying them back
+    (``STRIDE_UNIT``; see ops/_strides.py): 1 unless a head width such as 72 makes rows of a number of elements
+    that is not a multiple of 16. Then Triton took the cache's rows as unaligned and compiled every load
+    element-wide (sm_90a at d 72: no cp.async, 7 KB of spills; scripts/compile_sm90.py decode --gqa)."""
+    if not STRIDE_UNITS:
+        return 1
+    return pow2_unit(x for st in strides for x in st[:-1])
 # Balanced split (BALANCED in the kernel): when num_splits is None, the programs along axis 1 share the
 # batch's key tiles equally, crossing sequence boundaries, instead of each taking 1/num_splits of one
 # sequence. True / False force it; None = the measured rule in _use_balanced.
@@ -545,7 +567,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -614,6 +636,10 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
     grid = ((1 if balanced else b) * num_kv_heads * head_tiles, num_splits)
+    unit = _stride_unit(q1.stride(), q2_strides, k1_strides, k2_strides, v_strides, o_strides)
+
+    def units(st):  # the leading strides divided by unit, the last (the head-dim stride) as it is
+        return tuple(x // unit for x in st[:-1]) + tuple(st[-1:])
     values = (q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, tickets, scale * _LOG2E)
 
     def run(c: DecodeConfig) -> Launch:
@@ -622,10 +648,10 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             _decode_kernel, grid,
             (*(Slot(i) for i in range(len(values))),
              num_kv_heads, num_splits, group, head_tiles, b,
-             *q1.stride(), *q2_strides,
-             *k1_strides, *k2_strides, *v_strides,
+             *units(q1.stride()), *units(q2_strides),
+             *units(k1_strides), *units(k2_strides), *units(v_strides),
              *bt_strides,
-             *o_strides, *lse_strides),
+             *units(o_strides), *lse_strides),
             dict(
                 S=s,
                 D1=d1, D2=max(d2, 1), DV=d_v,
@@ -637,6 +663,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
                 BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
                 **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
+                **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
