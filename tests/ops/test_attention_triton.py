@@ -163,27 +163,30 @@ def test_split_value_dim():
     assert triton_fwd.rows_aligned(torch.empty(2, 3, 5, 36, dtype=torch.float32), None)
 
 
-def test_unaligned_rows_of_split_widths_are_copied(monkeypatch):
-    # A value width that splits, on rows that are not 16-byte aligned (views into padded storage): the op copies
-    # them to contiguous for the kernels (Triton 3.6 miscompiles the element-wide loads there); other widths,
-    # and rows a copy would not align, go as they are.
+def test_unaligned_rows_are_copied(monkeypatch):
+    # Rows that are not 16-byte aligned (views into padded storage): the op copies them to contiguous for the
+    # kernels (element-wide loads are slow, and Triton 3.6 miscompiled them at 160/160); rows a copy would not
+    # align go as they are, and so do aligned ones.
     from mla_attn.ops.attention import function
 
     seen = []
     real = function.flash_attn_fwd
     monkeypatch.setattr(function, "flash_attn_fwd", lambda q, k, v, *a: seen.append((q, k, v)) or real(q, k, v, *a))
-    for dv, copied in ((72, True), (64, False), (20, False)):
-        buf = torch.randn(1, 12, 2, dv + 5, dtype=torch.float16)
+    for dv, pad, copied in ((72, 5, True), (64, 5, True), (64, 8, False), (20, 5, False)):
+        buf = torch.randn(1, 12, 2, dv + pad, dtype=torch.float16)
         k = v = buf[:, :, :, :dv].transpose(1, 2)
         q = torch.randn(1, 2, 7, dv, dtype=torch.float16)
         flash_attention(q, k, v, True, 0.2)
         got_k = seen[-1][1]
-        assert got_k.is_contiguous() == copied and torch.equal(got_k, k), dv
-    fwd = triton_fwd.aligned_for_split
+        assert got_k.is_contiguous() == copied and torch.equal(got_k, k), (dv, pad)
+        assert (got_k is k) != copied
+    fwd = triton_fwd.aligned_rows
     a, b = torch.empty(1, 2, 3, 72), torch.empty(1, 2, 3, 77)[..., :72]
-    assert fwd(72, a, None)[0] is a and fwd(72, b)[0].is_contiguous() and fwd(128, b)[0] is b
+    assert fwd(a, None)[0] is a and fwd(b)[0].is_contiguous() and fwd(a, b)[0] is a
+    odd = torch.empty(1, 2, 3, 9)[..., :7]  # 28-byte rows: a copy would not align them, nothing is copied
+    assert fwd(b, odd)[0] is b
     c = torch.empty(2 * 72 + 1)[1:].view(1, 1, 2, 72)  # contiguous, but 4 bytes off 16: copied all the same
-    assert c.is_contiguous() and not triton_fwd.rows_aligned(c) and triton_fwd.rows_aligned(fwd(72, c)[0])
+    assert c.is_contiguous() and not triton_fwd.rows_aligned(c) and triton_fwd.rows_aligned(fwd(c)[0])
 
 
 def test_stride_unit_is_what_divides_every_leading_stride():

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .triton_bwd import flash_attn_bwd
-from .triton_fwd import aligned_for_split, flash_attn_fwd
+from .triton_fwd import aligned_rows, flash_attn_fwd
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -50,11 +50,12 @@ def _gluon_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def _flash_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    # Unaligned rows copied first (aligned_rows): the copies are contiguous, so the Gluon forward may take them.
+    q, k, v = aligned_rows(_unit_last(q), _unit_last(k), _unit_last(v))
     if _gluon_takes(q, k, v):
         from .gluon_fwd import flash_fwd_gluon
 
         return flash_fwd_gluon(q, k, v, causal=causal, scale=scale, token_major=GLUON_TOKEN_MAJOR)
-    q, k, v = aligned_for_split(v.shape[-1], _unit_last(q), _unit_last(k), _unit_last(v))
     return flash_attn_fwd(q, k, v, causal, scale)
 
 
@@ -69,7 +70,7 @@ def _(q, k, v, causal, scale):
 
 def _flash_attn_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                          causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    do, q, k, v = aligned_for_split(v.shape[-1], _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v))
+    do, q, k, v = aligned_rows(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v))
     return flash_attn_bwd(do, q, k, v, o.contiguous(), lse.contiguous(), causal, scale, dlse=dlse)
 
 

@@ -96,13 +96,16 @@ def split_value_dim(d: int, aligned: bool = True) -> tuple[int, int]:
     return (main, tail) if VALUE_SPLIT and aligned and tail and main + tail < full else (full, 0)
 
 
-def aligned_for_split(d_v: int, *tensors) -> tuple:
-    """``tensors`` as the Triton kernels should get them for a value width ``d_v`` that :func:`split_value_dim`
-    splits: any whose rows are not 16-byte aligned copied to fresh contiguous storage, when that aligns them.
-    Then the split runs, never element-wide loads: with those, Triton 3.6's sm_90 code for the split is wrong,
-    and at 160/160 even the unsplit kernel (score 128 + 32, value padded to 256) faulted on the H100
-    (session 29). Other widths, and rows a copy would not align, are returned as they are."""
-    if not split_value_dim(d_v)[1] or rows_aligned(*tensors):
+def aligned_rows(*tensors) -> tuple:
+    """``tensors`` as the kernels should get them: when some rows are not 16-byte aligned (views into padded
+    storage, say) and a copy would align them all, those copied to fresh contiguous storage; else as they are.
+
+    Unaligned rows mean element-wide loads (no ``cp.async``, spills; 0.35 of SDPA at d 72 on the H100), and
+    Triton 3.6's sm_90 code for them is not to be trusted: the value-head split was wrong there, and at 160/160
+    the unsplit kernel (score 128 + 32, value padded to 256) faulted (H100 and H200, session 29). One copy of
+    q, k and v costs far less than either. Rows whose width is no multiple of 16 bytes (d 63 in fp16) stay
+    as they are: a copy would not align them."""
+    if rows_aligned(*tensors):
         return tensors
     if any(t is not None and t.shape[-1] * t.element_size() % 16 for t in tensors):
         return tensors
