@@ -376,28 +376,44 @@ def bench_gluon_mla(out):
         f.write("\n".join(lines) + "\n")
 
 
-ODD_SHAPES = [(1, 32, 8, 32768), (32, 32, 8, 8192)]  # GQA (B, Hq, Hkv, L) at head widths 72 and 128
+ODD_SHAPES = [(1, 32, 8, 32768), (32, 32, 8, 8192)]  # GQA (B, Hq, Hkv, L)
+ODD_WIDTHS = (72, 80, 96, 128)
+ODD_VARIANTS = {  # name -> triton_decode flags
+    "default": {},
+    "no split": {"HEAD_SPLIT": False},  # the head padded to its power of two, strides in units
+    "before": {"STRIDE_UNITS": False},  # strides as they are, head padded (no split without units)
+}
+
+
+def _with_decode_flags(fn, flags):
+    for flag, value in flags.items():
+        fn = _with_decode_flag(fn, flag, value)
+    return fn
 
 
 def bench_odd_widths(out):
-    """GQA decode at d 72 (rows of 72 elements: their strides are passed divided by 8, triton_decode._stride_unit)
-    with stride units on and off, and d 128 for reference, each against SDPA; contiguous and paged 64. CUDA-graph
-    replays (GPU time, no host), two alternating rounds of each on/off pair; GB/s of K and V read."""
+    """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: the
+    default (strides in units of their power of two, triton_decode._stride_unit; the head split 64 + 16 / 64 + 32,
+    _head_split), with the split off, and as before both (strides as they are, head padded). CUDA-graph replays
+    (GPU time, no host), the variants in two rotated rounds; GB/s of K and V read."""
     from mla_attn.ops.decode import triton_decode
     from mla_attn.ops.decode.triton_decode import gqa_decode
 
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     import triton
+    names = list(ODD_VARIANTS)
     lines = [f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}; bf16, one new token, all "
-             "lengths L; CUDA-graph replay medians (do_bench); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), "
-             f"and as a fraction of {PEAK_BW / 1e12:.2f} TB/s. 'units off': MLA_ATTN_STRIDE_UNITS=0 (strides as they "
-             "are). Each on/off pair timed twice, alternating.", "",
-             "| B | Hq/Hkv | L | d | cache | unit | ours units on GB/s | ours units off GB/s | SDPA GB/s | on / SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (median of the "
+             "two); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), and default as a fraction of "
+             f"{PEAK_BW / 1e12:.2f} TB/s. 'default': strides in units, head split (the tiles after 'split'); "
+             "'no split': head padded to its power of two; 'before': strides as they are, head padded.", "",
+             "| B | Hq/Hkv | L | d | cache | unit | split | " + " | ".join(f"{n} GB/s" for n in names)
+             + " | SDPA GB/s | default / SDPA | default / before |",
+             "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 3)]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in ODD_SHAPES:
-        for d in (72, 128):
+        for d in ODD_WIDTHS:
             torch.cuda.empty_cache()
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
             q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
@@ -408,19 +424,22 @@ def bench_odd_widths(out):
             sdpa = _bench_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             for cache, kk, vv, tt in (("contiguous", k, v, None), ("paged 64", kp, vp, table)):
                 unit = triton_decode._stride_unit(q.stride(), kk.stride(), vv.stride())
+                tiles = triton_decode._head_split(d, q, kk, vv)
                 call = (lambda kk=kk, vv=vv, tt=tt: gqa_decode(q, kk, vv, seq_lens, tt, d ** -0.5, None))
-                times = {True: [], False: []}
-                for on in (True, False, False, True):
-                    t = _bench_graph(_with_decode_flag(call, "STRIDE_UNITS", on))
-                    if t is not None:
-                        times[on].append(t)
-                med = {on: (sorted(ts)[len(ts) // 2] if ts else None) for on, ts in times.items()}
-                gbs = {on: None if t is None else nbytes / t / 1e9 for on, t in med.items()}
+                times = {n: [] for n in names}
+                for r in range(2):
+                    for n in names[r:] + names[:r]:
+                        t = _bench_graph(_with_decode_flags(call, ODD_VARIANTS[n]))
+                        if t is not None:
+                            times[n].append(t)
+                gbs = {n: (nbytes / (sum(ts) / len(ts)) / 1e9 if ts else None) for n, ts in times.items()}
                 sd = None if sdpa is None else nbytes / sdpa / 1e9
-                ratio = None if gbs[True] is None or sd is None else gbs[True] / sd
-                lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {cache} | {unit} | {_fmt(gbs[True], 0)} "
-                             f"({_fmt(None if gbs[True] is None else gbs[True] * 1e9 / PEAK_BW, 2)}) | "
-                             f"{_fmt(gbs[False], 0)} | {_fmt(sd, 0)} | {_fmt(ratio, 2)} |")
+                dflt = gbs["default"]
+                lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {cache} | {unit} | {tiles[0]}+{tiles[1]} | "
+                             f"{_fmt(dflt, 0)} ({_fmt(None if dflt is None else dflt * 1e9 / PEAK_BW, 2)}) | "
+                             + " | ".join(_fmt(gbs[n], 0) for n in names[1:])
+                             + f" | {_fmt(sd, 0)} | {_fmt(None if dflt is None or sd is None else dflt / sd, 2)} | "
+                             f"{_fmt(None if dflt is None or not gbs['before'] else dflt / gbs['before'], 2)} |")
                 print(lines[-1], flush=True)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -443,8 +462,8 @@ def main():
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")
-    ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 with stride units on and off, "
-                    "d 128 for reference, against SDPA")
+    ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 / 80 / 96 (128 for reference) "
+                    "with stride units and the head split on and off, against SDPA")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")

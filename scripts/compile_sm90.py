@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--unchain", action="store_true", help="decode: UNCHAIN on")
     ap.add_argument("--paged", action="store_true", help="decode: paged cache, page 64")
     ap.add_argument("--gqa", action="store_true", help="decode: GQA (D = Dv = --dqk, separate V, no rope block)")
+    ap.add_argument("--split", action="store_true", help="decode --gqa: the head split (72 = 64 + 16; _head_split)")
     ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
@@ -125,9 +126,22 @@ def main():
         wd = max(16, triton.next_power_of_2(args.dqk))  # --gqa: D = Dv = --dqk, padded as the launcher pads it
         dims = dict(D1=args.dqk, D2=1, DV=args.dqk, BLOCK_D1=wd, BLOCK_D2=16, BLOCK_DV=wd) if args.gqa else \
             dict(D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512)
-        const = dict(S=1, **dims, BLOCK_H=a, BLOCK_N=b,
+        gqa_split = None
+        if args.gqa and args.split:  # the head split as gqa_decode makes it (triton_decode._head_split)
+            from mla_attn.ops.decode.triton_decode import _head_split
+            gqa_split = _head_split(args.dqk)
+            if gqa_split[1]:
+                from mla_attn.ops.decode.triton_decode import _value_tiles
+                main, tail = gqa_split
+                bdv, bdv2 = _value_tiles(args.dqk, gqa_split, a, warps)
+                dims = dict(D1=main, D2=args.dqk - main, DV=args.dqk, BLOCK_D1=main, BLOCK_D2=tail, BLOCK_DV=bdv,
+                            BLOCK_DV2=bdv2)
+                print(f"head split: score {main} + {tail}, value {bdv} + {bdv2}")
+        # The constexprs a launch leaves at their defaults must be given here, or they compile as runtime ints.
+        const = dict(STRIDE_UNIT=1, BLOCK_DV2=0, MERGE_DV=0)
+        const.update(S=1, **dims, BLOCK_H=a, BLOCK_N=b,
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged,
-                     HAS_K2=not args.gqa, V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
+                     HAS_K2=not args.gqa or bool(gqa_split and gqa_split[1]), V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1)
         if args.fused:
             rows, chunk = map(int, args.fused.split(","))

@@ -56,6 +56,9 @@ CASES = [  # compile_sm90.py arguments: the routed configurations, then the expe
     "decode 16,128,4,3 --gqa",  # GQA's tile
     "decode 16,64,8,3 --gqa --paged --unchain",  # paged-64 GQA at a full batch (8 warps)
     "decode 16,128,4,3 --gqa --fused 4,16",  # the fused merge (experimental)
+    "decode 16,128,4,3 --gqa --dqk 72 --split",  # GQA d 72: score 64 + 16, value 64 + 32
+    "decode 16,128,8,3 --gqa --dqk 96 --split --paged --unchain",  # ... with 8 warps: the value padded
+    "decode 16,128,4,3 --gqa --dqk 72 --row-align 8 --stride-unit 8",  # d 72 rows, strides in units of 8
     "combine 8,256,4,1",  # the split combine (no tensor cores)
     "combine 1,128,4,16 --balanced",
 ]
@@ -76,5 +79,7 @@ def test_kernel_compiles_for_hopper(args, tmp_path):
         assert "st.global" in ptx, out[-3000:]
     else:
         assert "wgmma.mma_async" in ptx or re.search(r"\bmma\.sync", ptx), out[-3000:]
+    if args.startswith("decode") and ("--stride-unit" in args or "--split" in args):  # the loads pipelined
+        assert "cp.async.cg.shared.global" in ptx, out[-3000:]
     if "--bulk" in args:  # dQ_j added by the TMA unit, and the full (not only .read) wait before a release
         assert "cp.reduce.async.bulk.tensor" in ptx and "cp.async.bulk.wait_group 1;" in ptx, out[-3000:]

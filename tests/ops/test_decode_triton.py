@@ -200,6 +200,14 @@ def test_stride_unit_divides_the_leading_strides():
     assert unit((72, 72, 1000)) == 8  # the last stride (the head-dim one) does not count
 
 
+def test_head_split():
+    split = td._head_split
+    aligned, padded = torch.empty(2, 3, 72), torch.empty(2, 3, 77)[..., :72]
+    assert [split(d) for d in (16, 40, 48, 63, 64, 72, 80, 96, 128, 160)] == [
+        (16, 0), (32, 16), (32, 16), (64, 0), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0), (128, 32)]
+    assert split(72, aligned) == (64, 16) and split(72, aligned, padded) == (128, 0)  # unaligned rows: padded
+
+
 # Head widths whose rows are not multiples of 16 elements: _launch passes the leading strides divided by a power
 # of two (td._stride_unit) and the kernel multiplies them back. The unit each case runs with is asserted.
 # (B, Hq, Hkv, D, Dv, S, lens, page, splits, dtype, strided, unit)
@@ -215,12 +223,14 @@ UNIT_CASES = [
                          f"-unit{c[11]}")
 def test_gqa_decode_unaligned_rows(case, monkeypatch):
     b, hq, hkv, d, dv, s, lens, page, splits, dtype, strided, want = case
-    seen = []
-    real = td._stride_unit
+    seen, tiles = [], []
+    real, real_split = td._stride_unit, td._head_split
     monkeypatch.setattr(td, "_stride_unit", lambda *st: seen.append(real(*st)) or seen[-1])
+    monkeypatch.setattr(td, "_head_split", lambda *a: tiles.append(real_split(*a)) or tiles[-1])
     q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, dv, s, lens, page, dtype, strided=strided)
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
     assert seen == [want]
+    assert tiles == [td.split_head_dim(d), td.split_head_dim(dv) if dv != 20 else (32, 0)]  # 20: 16 + 16 is no gain
     ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
 
@@ -270,10 +280,11 @@ def test_unchained_dots_same_answer(unchain):
         o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, 2, config=cfg)
         ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
         _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125), dtype)
-    q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, 64, 64, 1, [1, 64, 100], None, F32, 1.0, False)
-    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, 3, config=cfg)
-    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
-    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 0.125), F32)
+    for d in (64, 72):  # 72: the head split (64 + 16) with its second accumulator rescaled in the branch
+        q, k, v, seq_lens, table = _gqa_inputs(3, 8, 2, d, d, 1, [1, 64, 100], None, F32, 1.0, False)
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, 0.125, 3, config=cfg)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=0.125)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 0.125), F32)
 
 
 # (kind, B, H(q), Hkv, S, lens, page, SMs): SMs sets the worker count W = SMs // (KV heads x head tiles).
@@ -577,14 +588,18 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [None, 64, 16])
-def test_gqa_decode_d72_bf16_gpu(page):
-    # Rows of 72 elements: strides passed divided by 8 and multiplied back in the kernel (td._stride_unit).
-    lens = [3000, 0, 1, 777]
-    q, k, v, seq_lens, table = _gqa_inputs(4, 32, 8, 72, 72, 1, lens, page, BF16)
-    assert td._stride_unit(q.stride(), k.stride(), v.stride()) == 8
-    o, lse = td.gqa_decode(q, k, v, seq_lens, table, 72 ** -0.5, None)
-    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=72 ** -0.5)
-    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 72 ** -0.5), BF16)
+@pytest.mark.parametrize("d", [72, 80, 96])
+def test_gqa_decode_d72_bf16_gpu(d, page):
+    # Rows of 72 elements: strides passed divided by 8 and multiplied back in the kernel (td._stride_unit). All
+    # three widths take the head split (64 + 16, 64 + 32; td._head_split); paged 64 at B 32 takes 8 warps.
+    for b, lens in ((4, [3000, 0, 1, 777]), (32, [500 + 37 * i for i in range(32)])):
+        q, k, v, seq_lens, table = _gqa_inputs(b, 32, 8, d, d, 1, lens, page, BF16)
+        if d == 72:
+            assert td._stride_unit(q.stride(), k.stride(), v.stride()) == 8
+        assert td._head_split(d, q, k, v)[1] > 0
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, None)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), BF16)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from .._common import cdiv, next_pow2
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from .._strides import _in_units, pow2_unit
+from ..attention.triton_fwd import rows_aligned, split_head_dim
 from .combine import _merge_rows, combine_balanced, combine_splits
 
 _LOG2E = 1.4426950408889634
@@ -59,6 +60,7 @@ def _attend(
     V_IS_K1: tl.constexpr,  # value = first key block (MLA latent)
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
+    BLOCK_DV2: tl.constexpr = 0,  # > 0: the value head split, BLOCK_DV columns then a tail of these (masked to DV)
 ):
     """One program's rows over one KV interval: online softmax, then (o, lse) written to part i_part."""
     i_b64 = i_b.to(tl.int64)
@@ -92,6 +94,11 @@ def _attend(
         off_k2 = o_nl[:, None] * stride_k2t + o_d2[None, :] * stride_k2d  # [BLOCK_N, BLOCK_D2]
     if not V_IS_K1:
         off_v = o_nl[:, None] * stride_vt + o_dv[None, :] * stride_vd  # [BLOCK_N, BLOCK_DV]
+    if BLOCK_DV2 > 0:  # the value tail: columns BLOCK_DV + [0, BLOCK_DV2), masked to DV
+        o_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
+        m_dv2 = o_dv2 < DV
+        off_v2 = o_nl[:, None] * stride_vt + o_dv2[None, :] * stride_vd  # [BLOCK_N, BLOCK_DV2]
+        b_acc2 = tl.zeros([BLOCK_H, BLOCK_DV2], dtype=tl.float32)
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (base 2)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum
     b_acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
@@ -120,6 +127,9 @@ def _attend(
                         + o_d2[None, :] * stride_k2d)
             if not V_IS_K1:
                 p_v = V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None] + o_dv[None, :] * stride_vd
+            if BLOCK_DV2 > 0:
+                p_v2 = (V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None]
+                        + o_dv2[None, :] * stride_vd)
         else:
             if PAGED:  # the whole tile lies in one page: one block-table entry (start < hi <= seq_len)
                 page = next_page.to(tl.int64)
@@ -134,6 +144,8 @@ def _attend(
                 p_k2 = K2 + (kvh64 * stride_k2h + page * stride_k2o + within * stride_k2t) + off_k2
             if not V_IS_K1:
                 p_v = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v
+            if BLOCK_DV2 > 0:
+                p_v2 = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v2
         b_k1 = tl.load(p_k1, mask=m_n[:, None] & m_d1[None, :], other=0.0)  # [BLOCK_N, BLOCK_D1]
         if IEEE:
             b_s = tl.dot(b_q1, tl.trans(b_k1), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
@@ -165,10 +177,14 @@ def _attend(
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         if not UNCHAIN:  # rescale before the V load: paged GQA at B=128 read 4289 GB/s so, 3910 with it after
             b_acc = b_acc * b_alpha[:, None]
+            if BLOCK_DV2 > 0:
+                b_acc2 = b_acc2 * b_alpha[:, None]
         if V_IS_K1:
             b_v = b_k1
         else:
             b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if BLOCK_DV2 > 0:
+            b_v2 = tl.load(p_v2, mask=m_n[:, None] & m_dv2[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV2]
         if UNCHAIN:
             # With 8 warps Triton lays a dot out over warps by looking forward for a chained dot: the
             # score dot feeding P @ V would get all 8 warps along the rows, so both warpgroups would
@@ -178,14 +194,20 @@ def _attend(
             if seq_len >= 0:
                 b_pv = b_p.to(b_v.dtype)
                 b_acc = b_acc * b_alpha[:, None]
+                if BLOCK_DV2 > 0:
+                    b_acc2 = b_acc2 * b_alpha[:, None]
             else:
                 b_pv = tl.zeros([BLOCK_H, BLOCK_N], dtype=b_v.dtype)
         else:
             b_pv = b_p.to(b_v.dtype)
         if IEEE:
             b_acc = tl.dot(b_pv, b_v, b_acc, input_precision="ieee")
+            if BLOCK_DV2 > 0:
+                b_acc2 = tl.dot(b_pv, b_v2, b_acc2, input_precision="ieee")
         else:
             b_acc = tl.dot(b_pv, b_v, b_acc)
+            if BLOCK_DV2 > 0:
+                b_acc2 = tl.dot(b_pv, b_v2, b_acc2)
         b_m = b_m_new
 
     # Rows with no visible key have l = 0 and acc = 0 exactly: o = 0, lse = -inf. The test is
@@ -198,6 +220,11 @@ def _attend(
     p_o = (O + split64 * stride_op + i_b64 * stride_ob + o_qh[:, None] * stride_oh + o_s[:, None] * stride_os
            + o_dv[None, :] * stride_od)
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
+    if BLOCK_DV2 > 0:
+        b_o2 = b_acc2 / tl.where(dead, 1.0, b_l)[:, None]
+        p_o2 = (O + split64 * stride_op + i_b64 * stride_ob + o_qh[:, None] * stride_oh + o_s[:, None] * stride_os
+                + o_dv2[None, :] * stride_od)
+        tl.store(p_o2, b_o2.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv2[None, :])
     p_lse = LSE + split64 * stride_lp + i_b64 * stride_lb + o_qh * stride_lh + o_s * stride_ls
     tl.store(p_lse, b_lse, mask=m_r)
 
@@ -236,6 +263,8 @@ def _decode_kernel(
     MERGE_ROWS: tl.constexpr = 1,  # FUSED: a power of two >= the tile's live rows, <= BLOCK_H
     MERGE_CHUNK: tl.constexpr = 1,  # FUSED: parts merged per step
     STRIDE_UNIT: tl.constexpr = 1,  # the leading strides of q, the cache and o came divided by it (_stride_unit)
+    BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
+    MERGE_DV: tl.constexpr = 0,  # FUSED with BLOCK_DV2: the merge's width (a power of two >= DV)
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -280,7 +309,7 @@ def _decode_kernel(
                         stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
                         S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
-                        HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN)
+                        HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2)
             t = seg_end
             excl += nt
             i_b += 1
@@ -299,7 +328,7 @@ def _decode_kernel(
                 stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
                 S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                 BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
-                HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN)
+                HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2)
         if FUSED:
             # Split-K ticket: each split of this row tile takes one after storing its partial. The
             # barrier orders every warp's stores before the ticket; acq_rel at GPU scope makes them
@@ -313,10 +342,16 @@ def _decode_kernel(
                 tl.atomic_xchg(TICKETS + pid_row, 0, sem="relaxed", scope="gpu")
                 o_rl = i_t * BLOCK_H + tl.arange(0, MERGE_ROWS)  # rows of this tile within the KV head
                 o_r = (i_b.to(tl.int64) * num_kv_heads + i_kvh) * GROUP * S + o_rl
-                o_d = tl.arange(0, BLOCK_DV)
-                _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
-                            num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
-                            BLOCK_R=MERGE_ROWS, BLOCK_DV=BLOCK_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
+                if MERGE_DV > 0:  # the value head was split: merge whole rows
+                    o_d = tl.arange(0, MERGE_DV)
+                    _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
+                                num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
+                                BLOCK_R=MERGE_ROWS, BLOCK_DV=MERGE_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
+                else:
+                    o_d = tl.arange(0, BLOCK_DV)
+                    _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
+                                num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
+                                BLOCK_R=MERGE_ROWS, BLOCK_DV=BLOCK_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
 
 
 @dataclass(frozen=True)
@@ -334,6 +369,44 @@ class DecodeConfig:
 _NUM_SMS: dict[int, int] = {}
 # MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (_stride_unit gives 1): for A/B timing only.
 STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
+
+
+# MLA_ATTN_DECODE_SPLIT=0 pads a GQA head width such as 72 to its power of two (_head_split gives no tail): for
+# A/B timing only.
+HEAD_SPLIT = os.environ.get("MLA_ATTN_DECODE_SPLIT", "1") != "0"
+
+
+def _head_split(d: int, *tensors) -> tuple[int, int]:
+    """(main, tail) tile widths for a GQA head of width d: split like the flash kernels' heads (72 = 64 + 16,
+    80 = 64 + 16, 96 = 64 + 32) where that is narrower than d's power of two, else (that power of two, 0).
+
+    A d 72 tile padded to 128 columns holds 56% useful bytes, so fewer bytes are in flight per stage than at
+    d 128 (1926 / 2827 GB/s at B 1 / 32 on the H200, against SDPA's 1960 / 3583). Only for 16-byte-aligned rows:
+    with element-wide loads Triton 3.6 miscompiled the flash forward's value split for sm_90 (session 29). Aligned
+    rows have strides in multiples of 8 bytes' worth of elements, which _stride_unit makes known to Triton; with
+    STRIDE_UNITS off (A/B timing) they would look unaligned again, so the split is off with it."""
+    full = max(16, next_pow2(d))
+    main, tail = split_head_dim(d)
+    if HEAD_SPLIT and STRIDE_UNITS and tail and main + tail < full and rows_aligned(*tensors):
+        return main, tail
+    return full, 0
+
+
+def _value_tiles(d_v: int, tiles, block_h: int, num_warps: int) -> tuple[int, int]:
+    """(BLOCK_DV, BLOCK_DV2) for a value head that ``_head_split`` split into ``tiles`` (None: not split), under a
+    config of ``block_h`` rows and ``num_warps`` warps: the tail widened so that the warps laid along the
+    columns (those the rows cannot take, 16 rows a warp) each get 8 of them, else the head padded whole.
+
+    The score and P @ V dots share one MMA layout. A 16-wide tail with 16 rows and 4 warps cannot go 4 ways
+    along its columns, so Triton put all 4 warps along the rows, for every dot: each warp computed the same
+    16 rows (sm_90a, d 72: 255 registers and spills, against 183 and none padded; scripts/compile_sm90.py)."""
+    full = _pow2(d_v)
+    if not tiles:
+        return full, 0
+    main, tail = tiles
+    warps_n = max(1, num_warps // max(1, block_h // 16))
+    tail = max(tail, 8 * warps_n)
+    return (main, tail) if main + tail < full else (full, 0)
 
 
 def _stride_unit(*strides) -> int:
@@ -559,7 +632,7 @@ _plans = PlanCache()
 
 
 def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, block_table, page_size, num_kv_heads,
-            d_v, scale, num_splits, capacity, mla, config):
+            d_v, scale, num_splits, capacity, mla, config, dv_tiles=None):
     if q2 is not None and q2.shape[-1] == 0:  # a zero-width rope block is no rope block (never read)
         q2 = k2 = None
     seq_lens = seq_lens.contiguous()  # the kernel reads SEQ_LENS + b: a strided view must not reach it
@@ -567,7 +640,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -644,6 +717,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
 
     def run(c: DecodeConfig) -> Launch:
         block_n = _tile_keys(c.block_n, paged, page_size)
+        block_dv, block_dv2 = _value_tiles(d_v, dv_tiles, c.block_h, c.num_warps)
         launch = Launch(
             _decode_kernel, grid,
             (*(Slot(i) for i in range(len(values))),
@@ -655,7 +729,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
             dict(
                 S=s,
                 D1=d1, D2=max(d2, 1), DV=d_v,
-                BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=_pow2(d_v),
+                BLOCK_D1=_pow2(d1), BLOCK_D2=_pow2(d2), BLOCK_DV=block_dv,
                 BLOCK_H=c.block_h, BLOCK_N=block_n,
                 PAGED=paged, PAGE_SIZE=page_size, TILE_IN_PAGE=paged and page_size % block_n == 0,
                 HAS_K2=q2 is not None, V_IS_K1=v is None,
@@ -664,6 +738,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
                 **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
+                **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
+                **(dict(MERGE_DV=_pow2(d_v)) if block_dv2 and fused else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
@@ -728,8 +804,15 @@ def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_spl
         _, page_size, hkv, _ = k_cache.shape
         k_strides, v_strides = k_cache.stride(), v_cache.stride()
         capacity = block_table.shape[1] * page_size
-    return _launch(q, None, k_cache, k_strides, None, None, v_cache, v_strides, seq_lens, block_table, page_size,
-                   hkv, v_cache.shape[-1], scale, num_splits, capacity, False, config)
+    d, d_v = q.shape[-1], v_cache.shape[-1]
+    main, tail = _head_split(d, q, k_cache, v_cache)
+    q1, q2, k1, k2 = q, None, k_cache, None
+    if tail:  # the score as two blocks (the rope block's path): [0, main) and the tail [main, d), views
+        q1, q2, k1, k2 = q[..., :main], q[..., main:], k_cache[..., :main], k_cache[..., main:]
+    dv_tiles = _head_split(d_v, q, k_cache, v_cache)
+    return _launch(q1, q2, k1, k_strides, k2, k_strides if tail else None, v_cache, v_strides, seq_lens, block_table,
+                   page_size, hkv, d_v, scale, num_splits, capacity, False, config,
+                   dv_tiles=dv_tiles if dv_tiles[1] else None)
 
 
 # The Gluon MLA decode kernel (gluon_mla.py: Hopper, warp-specialised, H a multiple of 64, one new token,
