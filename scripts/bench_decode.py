@@ -391,7 +391,7 @@ def _with_decode_flags(fn, flags):
     return fn
 
 
-def bench_odd_widths(out):
+def bench_odd_widths(out, shapes=None):
     """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: the
     default (strides in units of their power of two, triton_decode._stride_unit; the head split 64 + 16 / 64 + 32,
     _head_split), with the split off, and as before both (strides as they are, head padded). CUDA-graph replays
@@ -413,6 +413,8 @@ def bench_odd_widths(out):
              "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 3)]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in ODD_SHAPES:
+        if shapes and f"gqa{b}" not in shapes.split(","):
+            continue
         for d in ODD_WIDTHS:
             torch.cuda.empty_cache()
             seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
@@ -468,7 +470,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")
     if args.odd_widths:
-        bench_odd_widths(args.odd_widths)
+        bench_odd_widths(args.odd_widths, args.shapes)
         return
     if args.gluon_mla:
         bench_gluon_mla(args.gluon_mla)
