@@ -379,9 +379,9 @@ def bench_gluon_mla(out):
 ODD_SHAPES = [(1, 32, 8, 32768), (32, 32, 8, 8192)]  # GQA (B, Hq, Hkv, L)
 ODD_WIDTHS = (72, 80, 96, 128)
 ODD_VARIANTS = {  # name -> triton_decode flags
-    "default": {},
-    "no split": {"HEAD_SPLIT": False},  # the head padded to its power of two, strides in units
-    "before": {"STRIDE_UNITS": False},  # strides as they are, head padded (no split without units)
+    "split": {"HEAD_SPLIT": True},  # strides in units, the head split (off by default until measured here)
+    "padded": {"HEAD_SPLIT": False},  # strides in units, the head padded to its power of two (the default)
+    "before": {"STRIDE_UNITS": False, "HEAD_SPLIT": False},  # strides as they are, head padded
 }
 
 
@@ -392,10 +392,10 @@ def _with_decode_flags(fn, flags):
 
 
 def bench_odd_widths(out, shapes=None):
-    """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: the
-    default (strides in units of their power of two, triton_decode._stride_unit; the head split 64 + 16 / 64 + 32,
-    _head_split), with the split off, and as before both (strides as they are, head padded). CUDA-graph replays
-    (GPU time, no host), the variants in two rotated rounds; GB/s of K and V read."""
+    """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: strides
+    in units of their power of two (triton_decode._stride_unit) with the head split 64 + 16 / 64 + 32 (_head_split)
+    and with the head padded, and as before both (strides as they are, head padded). CUDA-graph replays (GPU time,
+    no host), the variants in two rotated rounds; GB/s of K and V read."""
     from mla_attn.ops.decode import triton_decode
     from mla_attn.ops.decode.triton_decode import gqa_decode
 
@@ -406,10 +406,11 @@ def bench_odd_widths(out, shapes=None):
     lines = [f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}; bf16, one new token, all "
              "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (median of the "
              "two); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), and default as a fraction of "
-             f"{PEAK_BW / 1e12:.2f} TB/s. 'default': strides in units, head split (the tiles after 'split'); "
-             "'no split': head padded to its power of two; 'before': strides as they are, head padded.", "",
-             "| B | Hq/Hkv | L | d | cache | unit | split | " + " | ".join(f"{n} GB/s" for n in names)
-             + " | SDPA GB/s | default / SDPA | default / before |",
+             f"{PEAK_BW / 1e12:.2f} TB/s. 'split': strides in units, head split (its score tiles in 'tiles'); "
+             "'padded': strides in units, head padded to its power of two; 'before': strides as they are, head "
+             "padded.", "",
+             "| B | Hq/Hkv | L | d | cache | unit | tiles | " + " | ".join(f"{n} GB/s" for n in names)
+             + " | SDPA GB/s | split / SDPA | padded / SDPA | split / padded |",
              "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 3)]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in ODD_SHAPES:
@@ -426,7 +427,7 @@ def bench_odd_widths(out, shapes=None):
             sdpa = _bench_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             for cache, kk, vv, tt in (("contiguous", k, v, None), ("paged 64", kp, vp, table)):
                 unit = triton_decode._stride_unit(q.stride(), kk.stride(), vv.stride())
-                tiles = triton_decode._head_split(d, q, kk, vv)
+                tiles = _with_decode_flags(lambda: triton_decode._head_split(d, q, kk, vv), ODD_VARIANTS["split"])()
                 call = (lambda kk=kk, vv=vv, tt=tt: gqa_decode(q, kk, vv, seq_lens, tt, d ** -0.5, None))
                 times = {n: [] for n in names}
                 for r in range(2):
@@ -436,12 +437,15 @@ def bench_odd_widths(out, shapes=None):
                             times[n].append(t)
                 gbs = {n: (nbytes / (sum(ts) / len(ts)) / 1e9 if ts else None) for n, ts in times.items()}
                 sd = None if sdpa is None else nbytes / sdpa / 1e9
-                dflt = gbs["default"]
+                sp, pa = gbs["split"], gbs["padded"]
+
+                def ratio(x, y):
+                    return _fmt(None if x is None or not y else x / y, 2)
+
                 lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {cache} | {unit} | {tiles[0]}+{tiles[1]} | "
-                             f"{_fmt(dflt, 0)} ({_fmt(None if dflt is None else dflt * 1e9 / PEAK_BW, 2)}) | "
+                             f"{_fmt(sp, 0)} ({_fmt(None if sp is None else sp * 1e9 / PEAK_BW, 2)}) | "
                              + " | ".join(_fmt(gbs[n], 0) for n in names[1:])
-                             + f" | {_fmt(sd, 0)} | {_fmt(None if dflt is None or sd is None else dflt / sd, 2)} | "
-                             f"{_fmt(None if dflt is None or not gbs['before'] else dflt / gbs['before'], 2)} |")
+                             + f" | {_fmt(sd, 0)} | {ratio(sp, sd)} | {ratio(pa, sd)} | {ratio(sp, pa)} |")
                 print(lines[-1], flush=True)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")

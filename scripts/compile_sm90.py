@@ -128,8 +128,9 @@ def main():
             dict(D1=512, D2=64, DV=512, BLOCK_D1=512, BLOCK_D2=64, BLOCK_DV=512)
         gqa_split = None
         if args.gqa and args.split:  # the head split as gqa_decode makes it (triton_decode._head_split)
-            from mla_attn.ops.decode.triton_decode import _head_split
-            gqa_split = _head_split(args.dqk)
+            from mla_attn.ops.decode import triton_decode
+            triton_decode.HEAD_SPLIT = True  # off by default until it has run on a GPU
+            gqa_split = triton_decode._head_split(args.dqk)
             if gqa_split[1]:
                 from mla_attn.ops.decode.triton_decode import _value_tiles
                 main, tail = gqa_split

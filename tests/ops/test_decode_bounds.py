@@ -47,10 +47,13 @@ def _allow_tokens(chk, cache, lens, table=None, page=None):
             chk.allow(cache[int(table[b, t // page]), t % page])
 
 
-# d 72: the leading strides go to the kernel divided by 8 and are multiplied back there (td._stride_unit).
-@pytest.mark.parametrize("page,splits,d", [(None, 1, 32), (None, 5, 32), (4, 2, 32), (16, 3, 32), (1, 2, 32),
-                                           (None, 5, 72), (16, 3, 72)], ids=lambda x: str(x))
-def test_gqa_decode_reads_only_live_tokens(page, splits, d, check):
+# d 72: the leading strides go to the kernel divided by 8 and are multiplied back there (td._stride_unit), and the
+# head split (td.HEAD_SPLIT, off by default until it has run on a GPU) on and off.
+@pytest.mark.parametrize("page,splits,d,split", [(None, 1, 32, False), (None, 5, 32, False), (4, 2, 32, False),
+                                                 (16, 3, 32, False), (1, 2, 32, False), (None, 5, 72, True),
+                                                 (16, 3, 72, True), (16, 3, 72, False)], ids=lambda x: str(x))
+def test_gqa_decode_reads_only_live_tokens(page, splits, d, split, check, monkeypatch):
+    monkeypatch.setattr(td, "HEAD_SPLIT", split)
     b, hq, hkv, s = 3, 8, 2, 2
     lens = [0, 17, 45]
     n = max(lens)

@@ -36,6 +36,13 @@ def _nan_outputs(nan_decode_outputs):
     """Decode launcher buffers start as NaN (tests/ops/conftest.py)."""
 
 
+@pytest.fixture(autouse=True)
+def _head_split_on(monkeypatch):
+    """The GQA head split (td.HEAD_SPLIT, off by default until it has run on a GPU) on for every case here, so
+    the widths it takes (48, 72, ...) run it; test_gqa_decode_unaligned_rows runs both ways."""
+    monkeypatch.setattr(td, "HEAD_SPLIT", True)
+
+
 def _lse_atol(dtype, ref):
     finite = ref[torch.isfinite(ref)]
     mag = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
@@ -219,10 +226,12 @@ UNIT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
 @pytest.mark.parametrize("case", UNIT_CASES, ids=lambda c: f"D{c[3]}x{c[4]}-{'P' + str(c[7]) if c[7] else 'contig'}"
                          f"-unit{c[11]}")
-def test_gqa_decode_unaligned_rows(case, monkeypatch):
+def test_gqa_decode_unaligned_rows(case, split, monkeypatch):
     b, hq, hkv, d, dv, s, lens, page, splits, dtype, strided, want = case
+    monkeypatch.setattr(td, "HEAD_SPLIT", split)
     seen, tiles = [], []
     real, real_split = td._stride_unit, td._head_split
     monkeypatch.setattr(td, "_stride_unit", lambda *st: seen.append(real(*st)) or seen[-1])
@@ -230,7 +239,10 @@ def test_gqa_decode_unaligned_rows(case, monkeypatch):
     q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, dv, s, lens, page, dtype, strided=strided)
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
     assert seen == [want]
-    assert tiles == [td.split_head_dim(d), td.split_head_dim(dv) if dv != 20 else (32, 0)]  # 20: 16 + 16 is no gain
+    if split:
+        assert tiles == [td.split_head_dim(d), td.split_head_dim(dv) if dv != 20 else (32, 0)]  # 20: 16 + 16 no gain
+    else:
+        assert tiles == [(td._pow2(d), 0), (td._pow2(dv), 0)]
     ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
 
@@ -587,16 +599,19 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
 @pytest.mark.parametrize("page", [None, 64, 16])
 @pytest.mark.parametrize("d", [72, 80, 96])
-def test_gqa_decode_d72_bf16_gpu(d, page):
+def test_gqa_decode_d72_bf16_gpu(d, page, split, monkeypatch):
     # Rows of 72 elements: strides passed divided by 8 and multiplied back in the kernel (td._stride_unit). All
-    # three widths take the head split (64 + 16, 64 + 32; td._head_split); paged 64 at B 32 takes 8 warps.
+    # three widths take the head split when it is on (64 + 16, 64 + 32; td._head_split); paged 64 at B 32 takes
+    # 8 warps (value padded, score split).
+    monkeypatch.setattr(td, "HEAD_SPLIT", split)
     for b, lens in ((4, [3000, 0, 1, 777]), (32, [500 + 37 * i for i in range(32)])):
         q, k, v, seq_lens, table = _gqa_inputs(b, 32, 8, d, d, 1, lens, page, BF16)
         if d == 72:
             assert td._stride_unit(q.stride(), k.stride(), v.stride()) == 8
-        assert td._head_split(d, q, k, v)[1] > 0
+        assert (td._head_split(d, q, k, v)[1] > 0) == split
         o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, None)
         ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
         _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), BF16)
