@@ -385,8 +385,8 @@ def _head_split(d: int, *tensors) -> tuple[int, int]:
     A d 72 tile padded to 128 columns holds 56% useful bytes, so fewer bytes are in flight per stage than at
     d 128 (1926 / 2827 GB/s at B 1 / 32 on the H200, against SDPA's 1960 / 3583). Only for 16-byte-aligned rows:
     with element-wide loads Triton 3.6 miscompiled the flash forward's value split for sm_90 (session 29). Aligned
-    rows have strides in multiples of 8 bytes' worth of elements, which _stride_unit makes known to Triton; with
-    STRIDE_UNITS off (A/B timing) they would look unaligned again, so the split is off with it."""
+    rows have strides that are multiples of 16 bytes, which _stride_unit makes known to Triton; with STRIDE_UNITS
+    off (A/B timing) they would look unaligned again, so the split is off with it."""
     full = max(16, next_pow2(d))
     main, tail = split_head_dim(d)
     if HEAD_SPLIT and STRIDE_UNITS and tail and main + tail < full and rows_aligned(*tensors):
