@@ -395,7 +395,7 @@ def bench_odd_widths(out, shapes=None):
     """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: strides
     in units of their power of two (triton_decode._stride_unit) with the head split 64 + 16 / 64 + 32 (_head_split)
     and with the head padded, and as before both (strides as they are, head padded). CUDA-graph replays (GPU time,
-    no host), the variants in two rotated rounds; GB/s of K and V read."""
+    no host), the variants in two rotated rounds (mean of the two medians); GB/s of K and V read."""
     from mla_attn.ops.decode import triton_decode
     from mla_attn.ops.decode.triton_decode import gqa_decode
 
@@ -404,8 +404,8 @@ def bench_odd_widths(out, shapes=None):
     import triton
     names = list(ODD_VARIANTS)
     lines = [f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}; bf16, one new token, all "
-             "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (median of the "
-             "two); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), and default as a fraction of "
+             "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (mean of the "
+             "two); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), and split's as a fraction of "
              f"{PEAK_BW / 1e12:.2f} TB/s. 'split': strides in units, head split (its score tiles in 'tiles'); "
              "'padded': strides in units, head padded to its power of two; 'before': strides as they are, head "
              "padded.", "",
