@@ -264,7 +264,7 @@ def _decode_kernel(
     MERGE_CHUNK: tl.constexpr = 1,  # FUSED: parts merged per step
     STRIDE_UNIT: tl.constexpr = 1,  # the leading strides of q, the cache and o came divided by it (_stride_unit)
     BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
-    MERGE_DV: tl.constexpr = 0,  # FUSED with BLOCK_DV2: the merge's width (a power of two >= DV)
+    MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -342,16 +342,10 @@ def _decode_kernel(
                 tl.atomic_xchg(TICKETS + pid_row, 0, sem="relaxed", scope="gpu")
                 o_rl = i_t * BLOCK_H + tl.arange(0, MERGE_ROWS)  # rows of this tile within the KV head
                 o_r = (i_b.to(tl.int64) * num_kv_heads + i_kvh) * GROUP * S + o_rl
-                if MERGE_DV > 0:  # the value head was split: merge whole rows
-                    o_d = tl.arange(0, MERGE_DV)
-                    _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
-                                num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
-                                BLOCK_R=MERGE_ROWS, BLOCK_DV=MERGE_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
-                else:
-                    o_d = tl.arange(0, BLOCK_DV)
-                    _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
-                                num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
-                                BLOCK_R=MERGE_ROWS, BLOCK_DV=BLOCK_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
+                o_d = tl.arange(0, MERGE_DV)  # whole rows, whether or not the value head was split
+                _merge_rows(O, LSE, OF, LSEF, o_r, o_r, o_rl < GROUP * S, o_d, o_d < DV, 0, num_splits, 0, 0,
+                            num_splits, stride_op, stride_os, stride_od, stride_lp, stride_ls, DV, 1, 1, True,
+                            BLOCK_R=MERGE_ROWS, BLOCK_DV=MERGE_DV, CHUNK=MERGE_CHUNK, BALANCED=False, CACHE=".cg")
 
 
 @dataclass(frozen=True)
@@ -738,10 +732,9 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 IEEE=q1.dtype == torch.float32,
                 UNCHAIN=c.num_warps >= 8 if c.unchain is None else c.unchain,
                 BALANCED=balanced, MAX_B=next_pow2(b) if balanced else 1,
-                **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1]) if fused else {}),
+                **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1], MERGE_DV=_pow2(d_v)) if fused else {}),
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
-                **(dict(MERGE_DV=_pow2(d_v)) if block_dv2 and fused else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
