@@ -85,16 +85,11 @@ if [ "${ONLY:-}" = odd ]; then
   # whose rows are not 16-element multiples (72, 40, 36/20): the Triton attention tests, then fwd and fwd+bwd
   # at odd widths with and without it, against SDPA.
   step "triton attention GPU tests" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_triton.py 2>&1 | tee '$out/gpu_odd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  # Session 30: the same stride units in the Triton decode kernel (GQA at d 72).
-  step "decode GPU tests: d 72" "$(lim 120)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or gqa_decode_bf16' 2>&1 | tee '$out/gpu_odd_decode_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench odd widths" "$(lim 240)" $PY scripts/bench_attention.py --odd-widths "$out/bench_odd_widths.md"
-  step "bench decode odd widths" "$(lim 150)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
-  echo "gpu_check status: $status"
-  exit $status
 fi
-if [ "${ONLY:-}" = decodeodd ]; then
-  # Session 30: the Triton decode at GQA widths 72 / 80 / 96 (stride units, head split): its GPU tests (with the
-  # d 128 ones), then the widths against SDPA with the split on and off.
+if [ "${ONLY:-}" = odd ] || [ "${ONLY:-}" = decodeodd ]; then
+  # Session 30: the Triton decode at GQA widths 72 / 80 / 96 (stride units; the head split, off by default): its
+  # GPU tests (with the d 128 ones), then the widths against SDPA with the split on and off.
   step "decode GPU tests: odd widths" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or gqa_decode_bf16 or balanced or heuristic' 2>&1 | tee '$out/gpu_decodeodd_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench decode odd widths" "$(lim 240)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
   echo "gpu_check status: $status"
