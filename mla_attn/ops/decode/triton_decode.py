@@ -382,8 +382,10 @@ def _head_split(d: int, *tensors) -> tuple[int, int]:
     rows have strides that are multiples of 16 bytes, which _stride_unit makes known to Triton; with STRIDE_UNITS
     off (A/B timing) they would look unaligned again, so the split is off with it."""
     full = max(16, next_pow2(d))
+    if not (HEAD_SPLIT and STRIDE_UNITS):  # the eager decode step's host path: nothing more to compute
+        return full, 0
     main, tail = split_head_dim(d)
-    if HEAD_SPLIT and STRIDE_UNITS and tail and main + tail < full and rows_aligned(*tensors):
+    if tail and main + tail < full and rows_aligned(*tensors):
         return main, tail
     return full, 0
 
