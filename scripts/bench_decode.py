@@ -377,10 +377,10 @@ def bench_gluon_mla(out):
 
 
 ODD_SHAPES = [(1, 32, 8, 32768), (32, 32, 8, 8192)]  # GQA (B, Hq, Hkv, L)
-ODD_WIDTHS = (72, 80, 96, 128)
+ODD_WIDTHS = (72, 80, 96, 128, 160)
 ODD_VARIANTS = {  # name -> triton_decode flags
-    "split": {"HEAD_SPLIT": True},  # strides in units, the head split (off by default until measured here)
-    "padded": {"HEAD_SPLIT": False},  # strides in units, the head padded to its power of two (the default)
+    "split": {"HEAD_SPLIT": True, "SPLIT_MAX_FILL": 1.0},  # strides in units, the head split wherever it narrows
+    "padded": {"HEAD_SPLIT": False},  # strides in units, the head padded to its power of two
     "before": {"STRIDE_UNITS": False, "HEAD_SPLIT": False},  # strides as they are, head padded
 }
 
@@ -392,9 +392,10 @@ def _with_decode_flags(fn, flags):
 
 
 def bench_odd_widths(out, shapes=None):
-    """GQA decode at head widths 72, 80, 96 (and 128 for reference) against SDPA, contiguous and paged 64: strides
-    in units of their power of two (triton_decode._stride_unit) with the head split 64 + 16 / 64 + 32 (_head_split)
-    and with the head padded, and as before both (strides as they are, head padded). CUDA-graph replays (GPU time,
+    """GQA decode at head widths 72, 80, 96, 160 (and 128 for reference) against SDPA, contiguous and paged 64: strides
+    in units of their power of two (triton_decode._stride_unit) with the head split 64 + 16 / 64 + 32 / 128 + 32
+    (_head_split, wherever it narrows the tile) and with the head padded ('default' names the one gqa_decode takes
+    by default), and as before both (strides as they are, head padded). CUDA-graph replays (GPU time,
     no host), the variants in two rotated rounds (mean of the two medians); GB/s of K and V read."""
     from mla_attn.ops.decode import triton_decode
     from mla_attn.ops.decode.triton_decode import gqa_decode
@@ -408,10 +409,10 @@ def bench_odd_widths(out, shapes=None):
              "two); GB/s of K and V read (B * L * Hkv * 2d * 2 bytes), and split's as a fraction of "
              f"{PEAK_BW / 1e12:.2f} TB/s. 'split': strides in units, head split (its score tiles in 'tiles'); "
              "'padded': strides in units, head padded to its power of two; 'before': strides as they are, head "
-             "padded.", "",
-             "| B | Hq/Hkv | L | d | cache | unit | tiles | " + " | ".join(f"{n} GB/s" for n in names)
+             "padded; 'default': which of split / padded gqa_decode takes by default.", "",
+             "| B | Hq/Hkv | L | d | cache | unit | tiles | default | " + " | ".join(f"{n} GB/s" for n in names)
              + " | SDPA GB/s | split / SDPA | padded / SDPA | split / padded |",
-             "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 3)]
+             "|---|---|---|---|---|---|---|---|" + "---|" * (len(names) + 3)]
     print("\n".join(lines), flush=True)
     for b, hq, hkv, length in ODD_SHAPES:
         if shapes and f"gqa{b}" not in shapes.split(","):
@@ -428,6 +429,7 @@ def bench_odd_widths(out, shapes=None):
             for cache, kk, vv, tt in (("contiguous", k, v, None), ("paged 64", kp, vp, table)):
                 unit = triton_decode._stride_unit(q.stride(), kk.stride(), vv.stride())
                 tiles = _with_decode_flags(lambda: triton_decode._head_split(d, q, kk, vv), ODD_VARIANTS["split"])()
+                default = "split" if triton_decode._head_split(d, q, kk, vv)[1] else "padded"
                 call = (lambda kk=kk, vv=vv, tt=tt: gqa_decode(q, kk, vv, seq_lens, tt, d ** -0.5, None))
                 times = {n: [] for n in names}
                 for r in range(2):
@@ -442,7 +444,7 @@ def bench_odd_widths(out, shapes=None):
                 def ratio(x, y):
                     return _fmt(None if x is None or not y else x / y, 2)
 
-                lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {cache} | {unit} | {tiles[0]}+{tiles[1]} | "
+                lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {cache} | {unit} | {tiles[0]}+{tiles[1]} | {default} | "
                              f"{_fmt(sp, 0)} ({_fmt(None if sp is None else sp * 1e9 / PEAK_BW, 2)}) | "
                              + " | ".join(_fmt(gbs[n], 0) for n in names[1:])
                              + f" | {_fmt(sd, 0)} | {ratio(sp, sd)} | {ratio(pa, sd)} | {ratio(sp, pa)} |")

@@ -129,7 +129,7 @@ def main():
         gqa_split = None
         if args.gqa and args.split:  # the head split as gqa_decode makes it (triton_decode._head_split)
             from mla_attn.ops.decode import triton_decode
-            triton_decode.HEAD_SPLIT = True  # off by default until it has run on a GPU
+            triton_decode.HEAD_SPLIT, triton_decode.SPLIT_MAX_FILL = True, 1.0  # wherever it narrows (96 too)
             gqa_split = triton_decode._head_split(args.dqk)
             if gqa_split[1]:
                 from mla_attn.ops.decode.triton_decode import _value_tiles

@@ -38,9 +38,11 @@ def _nan_outputs(nan_decode_outputs):
 
 @pytest.fixture(autouse=True)
 def _head_split_on(monkeypatch):
-    """The GQA head split (td.HEAD_SPLIT, off by default until it has run on a GPU) on for every case here, so
-    the widths it takes (48, 72, ...) run it; test_gqa_decode_unaligned_rows runs both ways."""
+    """The GQA head split (td.HEAD_SPLIT) on wherever it narrows the tile, for every case here, so that the widths
+    the default rule pads (40, 48, 96: td.SPLIT_MAX_FILL) run its code paths too; test_head_split checks the
+    default rule, test_gqa_decode_unaligned_rows runs split and padded."""
     monkeypatch.setattr(td, "HEAD_SPLIT", True)
+    monkeypatch.setattr(td, "SPLIT_MAX_FILL", 1.0)
 
 
 def _lse_atol(dtype, ref):
@@ -207,12 +209,18 @@ def test_stride_unit_divides_the_leading_strides():
     assert unit((72, 72, 1000)) == 8  # the last stride (the head-dim one) does not count
 
 
-def test_head_split():
+def test_head_split(monkeypatch):
     split = td._head_split
+    widths = (16, 40, 48, 63, 64, 72, 80, 96, 128, 160)
     aligned, padded = torch.empty(2, 3, 72), torch.empty(2, 3, 77)[..., :72]
-    assert [split(d) for d in (16, 40, 48, 63, 64, 72, 80, 96, 128, 160)] == [
+    assert [split(d) for d in widths] == [  # every split that narrows the tile (this file's fixture)
         (16, 0), (32, 16), (32, 16), (64, 0), (64, 0), (64, 16), (64, 16), (64, 32), (128, 0), (128, 32)]
     assert split(72, aligned) == (64, 16) and split(72, aligned, padded) == (128, 0)  # unaligned rows: padded
+    monkeypatch.setattr(td, "SPLIT_MAX_FILL", 0.625)  # the default rule: only splits that fill <= 5/8 of the pad
+    assert [split(d) for d in widths] == [
+        (16, 0), (64, 0), (64, 0), (64, 0), (64, 0), (64, 16), (64, 16), (128, 0), (128, 0), (128, 32)]
+    monkeypatch.setattr(td, "HEAD_SPLIT", False)
+    assert [split(d) for d in widths] == [(16, 0)] + [(64, 0)] * 4 + [(128, 0)] * 4 + [(256, 0)]
 
 
 # Head widths whose rows are not multiples of 16 elements: _launch passes the leading strides divided by a power
@@ -601,11 +609,11 @@ def test_gqa_decode_bf16_gpu(hq, hkv, page):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
 @pytest.mark.parametrize("page", [None, 64, 16])
-@pytest.mark.parametrize("d", [72, 80, 96])
+@pytest.mark.parametrize("d", [72, 80, 96, 160])
 def test_gqa_decode_d72_bf16_gpu(d, page, split, monkeypatch):
     # Rows of 72 elements: strides passed divided by 8 and multiplied back in the kernel (td._stride_unit). All
-    # three widths take the head split when it is on (64 + 16, 64 + 32; td._head_split); paged 64 at B 32 takes
-    # 8 warps (value padded, score split).
+    # four widths take the head split when it is on (64 + 16, 64 + 32, 128 + 32; td._head_split, the fixture
+    # letting 96 split too); paged 64 at B 32 takes 8 warps (value padded, score split).
     monkeypatch.setattr(td, "HEAD_SPLIT", split)
     for b, lens in ((4, [3000, 0, 1, 777]), (32, [500 + 37 * i for i in range(32)])):
         q, k, v, seq_lens, table = _gqa_inputs(b, 32, 8, d, d, 1, lens, page, BF16)

@@ -365,19 +365,22 @@ _NUM_SMS: dict[int, int] = {}
 STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
 
 
-# The GQA head split (_head_split) is off by default: it passes the interpreter's tests and compiles for sm_90a
-# without spills, but has not yet run on a GPU (session 30's device time ran out), and Triton 3.6 miscompiled a
-# value split of the flash forward before (session 29). MLA_ATTN_DECODE_SPLIT=1 turns it on;
-# `ONLY=decodeodd bash scripts/gpu_check.sh` tests and times it.
-HEAD_SPLIT = os.environ.get("MLA_ATTN_DECODE_SPLIT", "0") == "1"
+# The GQA head split (_head_split), on by default since it ran on the H200 (session 31, d4f0737: 29 of 29 decode GPU
+# tests with it on and off at d 72 / 80 / 96; docs/raw/bench_decode_odd_widths_d4f0737_h200.md). MLA_ATTN_DECODE_SPLIT=0
+# turns it off. It is taken only where the split tiles fill at most SPLIT_MAX_FILL of the padded one: at 72 and 80
+# (0.625 of 128) it gained 1.14-1.26x at B 32 contiguous and 1.05-1.06x paged 64, and tied at B 1; at 96 (0.75) it
+# was 0.98-1.03x of the padded head, so 96 (and 40 / 48, also 0.75) stay padded.
+HEAD_SPLIT = os.environ.get("MLA_ATTN_DECODE_SPLIT", "1") != "0"
+SPLIT_MAX_FILL = 0.625
 
 
 def _head_split(d: int, *tensors) -> tuple[int, int]:
     """(main, tail) tile widths for a GQA head of width d: split like the flash kernels' heads (72 = 64 + 16,
-    80 = 64 + 16, 96 = 64 + 32) where that is narrower than d's power of two, else (that power of two, 0).
+    80 = 64 + 16, 160 = 128 + 32) where the two tiles fill at most SPLIT_MAX_FILL of d's power of two, else (that
+    power of two, 0). 96 = 64 + 32 and 40 / 48 = 32 + 16 fill 0.75: padded unless SPLIT_MAX_FILL is raised.
 
     A d 72 tile padded to 128 columns holds 56% useful bytes, so fewer bytes are in flight per stage than at
-    d 128 (1926 / 2827 GB/s at B 1 / 32 on the H200, against SDPA's 1960 / 3583). Only for 16-byte-aligned rows:
+    d 128: 2834 GB/s padded against 3558 split at B 32 on the H200 (SDPA 3576). Only for 16-byte-aligned rows:
     with element-wide loads Triton 3.6 miscompiled the flash forward's value split for sm_90 (session 29). Aligned
     rows have strides that are multiples of 16 bytes, which _stride_unit makes known to Triton; with STRIDE_UNITS
     off (A/B timing) they would look unaligned again, so the split is off with it."""
@@ -385,7 +388,7 @@ def _head_split(d: int, *tensors) -> tuple[int, int]:
     if not (HEAD_SPLIT and STRIDE_UNITS):  # the eager decode step's host path: nothing more to compute
         return full, 0
     main, tail = split_head_dim(d)
-    if tail and main + tail < full and rows_aligned(*tensors):
+    if tail and main + tail < full and main + tail <= SPLIT_MAX_FILL * full and rows_aligned(*tensors):
         return main, tail
     return full, 0
 
