@@ -13,6 +13,7 @@ GQA bytes = sum(L) * Hkv * (D + Dv) * 2, FLOPs = 2 * Hq * sum(L) * (D + Dv).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -453,6 +454,68 @@ def bench_odd_widths(out, shapes=None):
         f.write("\n".join(lines) + "\n")
 
 
+PAGED_STAGES = (3, 4, 5, 6)
+
+
+def bench_paged_stages(out, shapes=None):
+    """GQA decode over pages of 64 keys at d 72 / 80 / 128: the default tile (128 keys; a page of 64 becomes the
+    tile, so each stage holds half the keys of a contiguous one) with 3-6 stages, against the contiguous cache and
+    SDPA. At d 72 / 80 a stage of 64 keys holds 20-23 KB, against 32 KB at d 128. CUDA-graph replays, the
+    variants in two rotated rounds (mean), GB/s of K and V read."""
+    from mla_attn.ops.decode import triton_decode
+    from mla_attn.ops.decode.triton_decode import gqa_decode
+
+    gen = torch.Generator().manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    import triton
+    names = ["default"] + [f"{n} stages" for n in PAGED_STAGES]
+    lines = [f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}; bf16, one new token, all "
+             "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (mean); GB/s of K "
+             "and V read. Paged 64 with the default config ('default'), then its stage count replaced.", "",
+             "| B | Hq/Hkv | L | d | default config | contiguous | " + " | ".join(f"paged {n}" for n in names)
+             + " | SDPA |", "|---|---|---|---|---|---|" + "---|" * (len(names) + 1)]
+    print("\n".join(lines), flush=True)
+    for b, hq, hkv, length in ODD_SHAPES:
+        if shapes and f"gqa{b}" not in shapes.split(","):
+            continue
+        for d in (72, 80, 128):
+            torch.cuda.empty_cache()
+            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
+            k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+            v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+            kp, vp, table = paged_kv(k, v, gen)
+            nbytes = b * length * hkv * 2 * d * 2
+            base = triton_decode.default_config(hq // hkv, d, d, q.dtype, mla=False, device=q.device)
+            if triton_decode._paged_gqa_wide(False, True, PAGE, base, b * hkv, q.device):
+                base = dataclasses.replace(base, num_warps=8)
+            calls = {"default": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None)}
+            for n in PAGED_STAGES:
+                cfg = dataclasses.replace(base, num_stages=n)
+                calls[f"{n} stages"] = (lambda cfg=cfg: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None,
+                                                                    config=cfg))
+            times = {n: [] for n in names}
+            for r in range(2):
+                for n in names[r:] + names[:r]:
+                    try:
+                        t = _bench_graph(calls[n])
+                    except Exception as e:  # a stage count that does not fit: report, go on
+                        print(f"{n}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        t = None
+                    if t is not None:
+                        times[n].append(t)
+            gbs = {n: (nbytes / (sum(ts) / len(ts)) / 1e9 if ts else None) for n, ts in times.items()}
+            cont = _bench_graph(lambda: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None))
+            sdpa = _bench_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            lines.append(f"| {b} | {hq}/{hkv} | {length} | {d} | {base.block_h}x{base.block_n}, {base.num_warps}w "
+                         f"{base.num_stages}s | {_fmt(None if cont is None else nbytes / cont / 1e9, 0)} | "
+                         + " | ".join(_fmt(gbs[n], 0) for n in names)
+                         + f" | {_fmt(None if sdpa is None else nbytes / sdpa / 1e9, 0)} |")
+            print(lines[-1], flush=True)
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="markdown path; a .json with the same stem is written beside it")
@@ -472,9 +535,14 @@ def main():
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")
     ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 / 80 / 96 (128 for reference) "
                     "with stride units and the head split on and off, against SDPA")
+    ap.add_argument("--paged-stages", metavar="OUT", help="only: GQA decode over pages of 64 at d 72 / 80 / 128 "
+                    "with 3-6 stages, against contiguous and SDPA")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")
+    if args.paged_stages:
+        bench_paged_stages(args.paged_stages, args.shapes)
+        return
     if args.odd_widths:
         bench_odd_widths(args.odd_widths, args.shapes)
         return

@@ -11,8 +11,8 @@
 #   ONLY=hsplit bash scripts/gpu_check.sh [OUTDIR]   the dK/dV pass's heads split (MQA, large groups): tests, bench
 #   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   stride units and the value-head split (d 72, 40, 96, ...): Triton attention tests, bench;
 #     the decode's stride units (GQA d 72): tests, bench
-#   ONLY=decodeodd bash scripts/gpu_check.sh [OUTDIR]   the Triton decode at GQA widths 72/80/96 (stride units,
-#     head split): its GPU tests, the odd-widths decode bench
+#   ONLY=decodeodd bash scripts/gpu_check.sh [OUTDIR]   the Triton decode at GQA widths 72/80/96/160 (stride
+#     units, head split): its GPU tests, the odd-widths decode bench, paged 64 with 3-6 stages
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -92,6 +92,7 @@ if [ "${ONLY:-}" = odd ] || [ "${ONLY:-}" = decodeodd ]; then
   # GPU tests (with the d 128 ones), then the widths against SDPA with the split on and off.
   step "decode GPU tests: odd widths" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or gqa_decode_bf16 or balanced or heuristic' 2>&1 | tee '$out/gpu_decodeodd_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench decode odd widths" "$(lim 240)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
+  step "bench decode paged stages" "$(lim 180)" $PY scripts/bench_decode.py --paged-stages "$out/bench_decode_paged_stages.md"
   echo "gpu_check status: $status"
   exit $status
 fi
