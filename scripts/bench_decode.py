@@ -454,24 +454,23 @@ def bench_odd_widths(out, shapes=None):
         f.write("\n".join(lines) + "\n")
 
 
-PAGED_STAGES = (3, 4, 5, 6)
-
-
 def bench_paged_stages(out, shapes=None):
-    """GQA decode over pages of 64 keys at d 72 / 80 / 128: the default tile (128 keys; a page of 64 becomes the
-    tile, so each stage holds half the keys of a contiguous one) with 3-6 stages, against the contiguous cache and
-    SDPA. At d 72 / 80 a stage of 64 keys holds 20-23 KB, against 32 KB at d 128. CUDA-graph replays, the
-    variants in two rotated rounds (mean), GB/s of K and V read."""
+    """GQA decode over pages of 64 keys at d 72 / 80 / 128: the default (a page of 64 becomes the tile, so each
+    stage holds half the keys of a contiguous one: 20-23 KB at d 72 / 80, 32 KB at d 128), with 4 stages, and with
+    the 128-key tile across pages (triton_decode.PAGE_SPAN: a page looked up per key), 3 and 4 stages; against the
+    contiguous cache and SDPA. CUDA-graph replays, the variants in two rotated rounds (mean), GB/s of K and V read.
+    Session 31 (H100, 70d0f27) timed 3-6 stages without the span: 4 gained 3-4% at B 1, lost 3% at B 32."""
     from mla_attn.ops.decode import triton_decode
     from mla_attn.ops.decode.triton_decode import gqa_decode
 
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     import triton
-    names = ["default"] + [f"{n} stages" for n in PAGED_STAGES]
+    names = ["default", "4 stages", "span", "span 4 stages"]
     lines = [f"GPU {props.name}, torch {torch.__version__}, triton {triton.__version__}; bf16, one new token, all "
              "lengths L; CUDA-graph replay medians (do_bench), the variants in two rotated rounds (mean); GB/s of K "
-             "and V read. Paged 64 with the default config ('default'), then its stage count replaced.", "",
+             "and V read. Paged 64 with the default config ('default'), its stage count replaced, and the tile "
+             "across pages (PAGE_SPAN).", "",
              "| B | Hq/Hkv | L | d | default config | contiguous | " + " | ".join(f"paged {n}" for n in names)
              + " | SDPA |", "|---|---|---|---|---|---|" + "---|" * (len(names) + 1)]
     print("\n".join(lines), flush=True)
@@ -489,11 +488,13 @@ def bench_paged_stages(out, shapes=None):
             base = triton_decode.default_config(hq // hkv, d, d, q.dtype, mla=False, device=q.device)
             if triton_decode._paged_gqa_wide(False, True, PAGE, base, b * hkv, q.device):
                 base = dataclasses.replace(base, num_warps=8)
-            calls = {"default": lambda: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None)}
-            for n in PAGED_STAGES:
-                cfg = dataclasses.replace(base, num_stages=n)
-                calls[f"{n} stages"] = (lambda cfg=cfg: gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None,
-                                                                    config=cfg))
+            four = dataclasses.replace(base, num_stages=4)
+
+            def call(cfg=None):
+                return gqa_decode(q, kp, vp, seq_lens, table, d ** -0.5, None, config=cfg)
+            calls = {"default": call, "4 stages": lambda: call(four),
+                     "span": _with_decode_flag(call, "PAGE_SPAN", True),
+                     "span 4 stages": _with_decode_flag(lambda: call(four), "PAGE_SPAN", True)}
             times = {n: [] for n in names}
             for r in range(2):
                 for n in names[r:] + names[:r]:
@@ -536,7 +537,7 @@ def main():
     ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 / 80 / 96 (128 for reference) "
                     "with stride units and the head split on and off, against SDPA")
     ap.add_argument("--paged-stages", metavar="OUT", help="only: GQA decode over pages of 64 at d 72 / 80 / 128 "
-                    "with 3-6 stages, against contiguous and SDPA")
+                    "with 3 / 4 stages and the tile across pages (PAGE_SPAN), against contiguous and SDPA")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode.py needs a CUDA GPU")

@@ -141,7 +141,7 @@ def main():
         # The constexprs a launch leaves at their defaults must be given here, or they compile as runtime ints.
         const = dict(STRIDE_UNIT=1, BLOCK_DV2=0, MERGE_DV=wd if args.gqa else 512)
         const.update(S=1, **dims, BLOCK_H=a, BLOCK_N=b,
-                     PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged,
+                     PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged and 64 % b == 0,
                      HAS_K2=not args.gqa or bool(gqa_split and gqa_split[1]), V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1)
         if args.fused:

@@ -48,12 +48,14 @@ def _allow_tokens(chk, cache, lens, table=None, page=None):
 
 
 # d 72: the leading strides go to the kernel divided by 8 and are multiplied back there (td._stride_unit), and the
-# head split (td.HEAD_SPLIT, off by default until it has run on a GPU) on and off.
-@pytest.mark.parametrize("page,splits,d,split", [(None, 1, 32, False), (None, 5, 32, False), (4, 2, 32, False),
-                                                 (16, 3, 32, False), (1, 2, 32, False), (None, 5, 72, True),
-                                                 (16, 3, 72, True), (16, 3, 72, False)], ids=lambda x: str(x))
-def test_gqa_decode_reads_only_live_tokens(page, splits, d, split, check, monkeypatch):
+# head split (td.HEAD_SPLIT) on and off, and tiles across pages (td.PAGE_SPAN, off by default).
+@pytest.mark.parametrize("page,splits,d,split,span", [
+    (None, 1, 32, False, False), (None, 5, 32, False, False), (4, 2, 32, False, False), (16, 3, 32, False, False),
+    (1, 2, 32, False, False), (None, 5, 72, True, False), (16, 3, 72, True, False), (16, 3, 72, False, False),
+    (16, 3, 72, True, True), (16, 1, 32, False, True)], ids=lambda x: str(x))
+def test_gqa_decode_reads_only_live_tokens(page, splits, d, split, span, check, monkeypatch):
     monkeypatch.setattr(td, "HEAD_SPLIT", split)
+    monkeypatch.setattr(td, "PAGE_SPAN", span)  # tiles across pages of 16 (the interpreter's tile: 32 keys)
     b, hq, hkv, s = 3, 8, 2, 2
     lens = [0, 17, 45]
     n = max(lens)

@@ -223,6 +223,29 @@ def test_head_split(monkeypatch):
     assert [split(d) for d in widths] == [(16, 0)] + [(64, 0)] * 4 + [(128, 0)] * 4 + [(256, 0)]
 
 
+# Tiles across pages (td.PAGE_SPAN, off by default): pages of 16 are smaller than the interpreter's 32-key tile, so
+# with it on a tile covers two or more pages, a page looked up per key. The spy asserts the tile did span.
+# (B, Hq, Hkv, D, S, lens, page, splits, dtype)
+SPAN_CASES = [
+    (3, 8, 2, 72, 1, [0, 45, 113], 16, None, F32),
+    (3, 9, 3, 64, 2, [17, 64, 100], 16, 2, F16),
+    (2, 4, 1, 64, 1, [1, 97], 16, 5, F32),
+]
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=lambda c: f"D{c[3]}-S{c[4]}-P{c[6]}-splits{c[7]}")
+def test_gqa_decode_tiles_span_pages(case, monkeypatch):
+    b, hq, hkv, d, s, lens, page, splits, dtype = case
+    monkeypatch.setattr(td, "PAGE_SPAN", True)
+    tiles, real = [], td._tile_keys
+    monkeypatch.setattr(td, "_tile_keys", lambda *a: tiles.append(real(*a)) or tiles[-1])
+    q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, d, s, lens, page, dtype)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
+    assert tiles and all(t > page for t in tiles)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
+
+
 # Head widths whose rows are not multiples of 16 elements: _launch passes the leading strides divided by a power
 # of two (td._stride_unit) and the kernel multiplies them back. The unit each case runs with is asserted.
 # (B, Hq, Hkv, D, Dv, S, lens, page, splits, dtype, strided, unit)
@@ -620,6 +643,19 @@ def test_gqa_decode_d72_bf16_gpu(d, page, split, monkeypatch):
         if d == 72:
             assert td._stride_unit(q.stride(), k.stride(), v.stride()) == 8
         assert (td._head_split(d, q, k, v)[1] > 0) == split
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, None)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [64, 16])
+@pytest.mark.parametrize("d", [72, 128])
+def test_gqa_decode_tiles_span_pages_bf16_gpu(d, page, monkeypatch):
+    # td.PAGE_SPAN (off by default): the 128-key tile over pages of 64 / 16, a page looked up per key.
+    monkeypatch.setattr(td, "PAGE_SPAN", True)
+    for b, lens in ((4, [3000, 0, 1, 777]), (32, [500 + 37 * i for i in range(32)])):
+        q, k, v, seq_lens, table = _gqa_inputs(b, 32, 8, d, d, 1, lens, page, BF16)
         o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, None)
         ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
         _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), BF16)

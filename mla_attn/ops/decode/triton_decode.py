@@ -546,10 +546,19 @@ def _smaller(cfg: DecodeConfig):
         yield DecodeConfig(cfg.block_h, block_n, cfg.num_warps, stages, cfg.ctas_per_sm, cfg.unchain)
 
 
-def _tile_keys(block_n: int, paged: bool, page_size: int) -> int:
+# Tiles across pages (PAGE_SPAN; experimental, off): a GQA tile keeps its keys over pages of 16 or more that are
+# smaller than it, looking up a page per key (the path pages under 16 keys take) instead of becoming one page. For
+# the narrow heads: over pages of 64 a d 72 stage holds 20 KB against 32 KB at d 128, and paged 64 read 0.74-0.84
+# of SDPA at d 72 / 80 on the H200 where d 128 read 0.98-1.00 (session 31). `bench_decode.py --paged-stages`
+# times it; MLA_ATTN_DECODE_PAGE_SPAN=1 turns it on.
+PAGE_SPAN = os.environ.get("MLA_ATTN_DECODE_PAGE_SPAN", "0") == "1"
+
+
+def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) -> int:
     """Keys per tile: a page of 16 or more keys smaller than the tile becomes the tile, so that a tile
-    never leaves its page (one block-table lookup per tile)."""
-    if paged and 16 <= page_size < block_n and page_size & (page_size - 1) == 0:
+    never leaves its page (one block-table lookup per tile), unless ``span`` (PAGE_SPAN, GQA): then the tile
+    keeps its keys and looks up a page per key."""
+    if paged and 16 <= page_size < block_n and page_size & (page_size - 1) == 0 and not span:
         return page_size
     return block_n
 
@@ -641,7 +650,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -656,12 +665,13 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                                           device):
         cfg = replace(cfg, num_warps=8)
     # A default that did not fit this GPU (shared memory, registers) was replaced once by a smaller one.
-    fit_key = (cfg, q1.dtype, d1, d2, d_v, s, paged, page_size, v is None, device.index)
+    span = PAGE_SPAN and not mla
+    fit_key = (cfg, q1.dtype, d1, d2, d_v, s, paged, page_size, v is None, device.index, span)
     refitted = config is None and fit_key in _fitted
     if refitted:
         cfg = _fitted[fit_key]
     head_tiles = cdiv(rows, cfg.block_h)
-    tile_n = _tile_keys(cfg.block_n, paged, page_size)
+    tile_n = _tile_keys(cfg.block_n, paged, page_size, span)
     balanced = num_splits is None and _use_balanced(mla, rows, b, num_kv_heads * head_tiles,
                                                     _num_sms(device) * cfg.ctas_per_sm)
     if balanced:
@@ -669,7 +679,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         num_splits = max(1, _num_sms(device) * cfg.ctas_per_sm // (num_kv_heads * head_tiles))
     elif num_splits is None:
         num_splits = choose_num_splits(b * num_kv_heads, head_tiles, capacity, _num_sms(device),
-                                       block_n=_tile_keys(cfg.block_n, paged, page_size), ctas_per_sm=cfg.ctas_per_sm)
+                                       block_n=tile_n, ctas_per_sm=cfg.ctas_per_sm)
     o = _alloc((b, h, s, d_v), dtype=q1.dtype, device=device)
     lse = _alloc((b, h, s), dtype=torch.float32, device=device)
     if o.numel() == 0 or lse.numel() == 0:
@@ -717,7 +727,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     values = (q1, q2_, k1, k2_, v_, seq_lens, bt, o_part, lse_part, o, lse, tickets, scale * _LOG2E)
 
     def run(c: DecodeConfig) -> Launch:
-        block_n = _tile_keys(c.block_n, paged, page_size)
+        block_n = _tile_keys(c.block_n, paged, page_size, span)
         block_dv, block_dv2 = _value_tiles(d_v, dv_tiles, c.block_h, c.num_warps)
         launch = Launch(
             _decode_kernel, grid,
