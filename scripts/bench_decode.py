@@ -392,6 +392,17 @@ def _with_decode_flags(fn, flags):
     return fn
 
 
+def _gqa_width_inputs(b, hq, hkv, length, d, gen):
+    """bf16 GQA decode inputs at every length L, contiguous and paged 64, and the bytes of K and V read."""
+    torch.cuda.empty_cache()
+    seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
+    kp, vp, table = paged_kv(k, v, gen)
+    return seq_lens, q, k, v, kp, vp, table, b * length * hkv * 2 * d * 2
+
+
 def bench_odd_widths(out, shapes=None):
     """GQA decode at head widths 72, 80, 96, 160 (and 128 for reference) against SDPA, contiguous and paged 64: strides
     in units of their power of two (triton_decode._stride_unit) with the head split 64 + 16 / 64 + 32 / 128 + 32
@@ -419,13 +430,7 @@ def bench_odd_widths(out, shapes=None):
         if shapes and f"gqa{b}" not in shapes.split(","):
             continue
         for d in ODD_WIDTHS:
-            torch.cuda.empty_cache()
-            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
-            k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            kp, vp, table = paged_kv(k, v, gen)
-            nbytes = b * length * hkv * 2 * d * 2
+            seq_lens, q, k, v, kp, vp, table, nbytes = _gqa_width_inputs(b, hq, hkv, length, d, gen)
             sdpa = _bench_graph(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
             for cache, kk, vv, tt in (("contiguous", k, v, None), ("paged 64", kp, vp, table)):
                 unit = triton_decode._stride_unit(q.stride(), kk.stride(), vv.stride())
@@ -478,13 +483,7 @@ def bench_paged_stages(out, shapes=None):
         if shapes and f"gqa{b}" not in shapes.split(","):
             continue
         for d in (72, 80, 128):
-            torch.cuda.empty_cache()
-            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(b, hq, 1, d, generator=gen).to("cuda", torch.bfloat16)
-            k = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            v = torch.randn(b, hkv, length, d, generator=gen).to("cuda", torch.bfloat16)
-            kp, vp, table = paged_kv(k, v, gen)
-            nbytes = b * length * hkv * 2 * d * 2
+            seq_lens, q, k, v, kp, vp, table, nbytes = _gqa_width_inputs(b, hq, hkv, length, d, gen)
             base = triton_decode.default_config(hq // hkv, d, d, q.dtype, mla=False, device=q.device)
             if triton_decode._paged_gqa_wide(False, True, PAGE, base, b * hkv, q.device):
                 base = dataclasses.replace(base, num_warps=8)
