@@ -12,7 +12,7 @@
 #   ONLY=odd bash scripts/gpu_check.sh [OUTDIR]   stride units and the value-head split (d 72, 40, 96, ...): Triton attention tests, bench;
 #     the decode's stride units (GQA d 72): tests, bench
 #   ONLY=decodeodd bash scripts/gpu_check.sh [OUTDIR]   the Triton decode at GQA widths 72/80/96/160 (stride
-#     units, head split): its GPU tests, the odd-widths decode bench, paged 64 with 3-6 stages
+#     units, head split, tiles across pages): its GPU tests, the odd-widths decode bench, paged 64 variants
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -90,7 +90,7 @@ fi
 if [ "${ONLY:-}" = odd ] || [ "${ONLY:-}" = decodeodd ]; then
   # Session 30: the Triton decode at GQA widths 72 / 80 / 96 (stride units; the head split, off by default): its
   # GPU tests (with the d 128 ones), then the widths against SDPA with the split on and off.
-  step "decode GPU tests: odd widths" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or gqa_decode_bf16 or balanced or heuristic' 2>&1 | tee '$out/gpu_decodeodd_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
+  step "decode GPU tests: odd widths" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or span or gqa_decode_bf16 or balanced or heuristic' 2>&1 | tee '$out/gpu_decodeodd_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench decode odd widths" "$(lim 240)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
   step "bench decode paged stages" "$(lim 180)" $PY scripts/bench_decode.py --paged-stages "$out/bench_decode_paged_stages.md"
   echo "gpu_check status: $status"
