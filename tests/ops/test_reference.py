@@ -41,6 +41,59 @@ def test_attention_reference_grad_matches_oracle_and_has_no_nan():
         assert_close(got, want, floor=1e-4)
 
 
+# impl="auto" off CUDA without return_lse: PyTorch's SDPA (attention_sdpa), the readable path where SDPA could
+# differ (no keys, no queries, causal M > N). The spy records which ran; the results are held to the oracle
+# with the readable path's tolerance.
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=lambda x: str(x))
+@pytest.mark.parametrize("m,n,causal,via", [(1, 1, True, "sdpa"), (63, 63, True, "sdpa"), (7, 113, True, "sdpa"),
+                                            (17, 40, False, "sdpa"), (113, 63, True, "reference"),
+                                            (113, 63, False, "sdpa"), (5, 0, False, "reference"),
+                                            (0, 7, True, "reference")], ids=lambda x: str(x))
+def test_attention_auto_off_cuda(hq, hkv, m, n, causal, via, monkeypatch):
+    from mla_attn.ops.attention import api, reference
+
+    ran = []
+    real = reference.attention_sdpa
+    monkeypatch.setattr(api, "attention_sdpa", lambda *a, **kw: ran.append(real(*a, **kw)) or ran[-1])
+    q = torch.randn(2, hq, m, 48)
+    k = torch.randn(2, hkv, n, 48)
+    v = torch.randn(2, hkv, n, 32)
+    o = attention(q, k, v, causal=causal)
+    assert (ran[-1] is not None) == (via == "sdpa")
+    o_ref, _ = attention_oracle(q, k, v, causal=causal)
+    assert o.shape == (2, hq, m, 32) and o.dtype == q.dtype
+    assert_close(o, o_ref, floor=FP32_TOL)
+    if causal and m > n:
+        assert torch.equal(o[:, :, : m - n], torch.zeros_like(o[:, :, : m - n]))
+    ran.clear()
+    attention(q, k, v, causal=causal, return_lse=True)  # lse asked for: the readable path, never SDPA
+    assert ran == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_attention_auto_off_cuda_grads_and_low_precision(dtype):
+    # Gradients through SDPA against the float64 oracle (scaled-up q, k as in the reference's grad test), and
+    # bf16 / fp16 outputs within twice the readable path's own error against the fp32 oracle.
+    q = torch.randn(2, 6, 40, 32, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 57, 32, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 57, 24, dtype=dtype, requires_grad=True)
+    do = torch.randn(2, 6, 40, 24, dtype=dtype)
+    o = attention(q * 5, k * 3, v, causal=True)
+    (o * do).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64, _ = attention_oracle(q64 * 5, k64 * 3, v64, causal=True)
+    (o64 * do.double()).sum().backward()
+    if dtype == torch.float32:
+        assert_close(o, o64, floor=FP32_TOL)
+        for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+            assert_close(got, want, floor=1e-4)
+    else:
+        readable = attention(q * 5, k * 3, v, causal=True, impl="reference")
+        err, base = (o.double() - o64).abs().max(), (readable.double() - o64).abs().max()
+        assert err <= 2 * base + 1e-6, (err, base)
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def _decode_case(b, hq, hkv, lens, s, d, dv, dtype=torch.float32, n=None):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     n = n or max(max(lens), 1) + 5

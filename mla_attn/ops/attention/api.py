@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._common import check_dim, check_float, check_same_device, check_same_dtype, resolve_impl
-from .reference import attention_reference
+from .reference import attention_reference, attention_sdpa
 
 FP32_MAX_HEAD_DIM = 256  # widest fp32 head the Triton kernels take on CUDA (see attention())
 
@@ -34,8 +34,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
                 1 1
         scale: score scale, default ``Dqk ** -0.5``.
         return_lse: also return the log-sum-exp of the scaled scores, ``[B, Hq, M]`` float32.
-        impl: ``"auto"`` (the GPU kernels on CUDA tensors, reference elsewhere), ``"triton"`` or
-            ``"reference"``. The GPU kernels: on Hopper, for contiguous bf16/fp16 inputs, the forward
+        impl: ``"auto"`` (the GPU kernels on CUDA tensors, reference elsewhere: without ``return_lse``
+            through PyTorch's ``scaled_dot_product_attention``, the readable path where that could differ),
+            ``"triton"`` or ``"reference"`` (the readable path, ``reference.attention_reference``). The GPU kernels: on Hopper, for contiguous bf16/fp16 inputs, the forward
             and the backward's dK/dV pass are Gluon kernels (``gluon_fwd.py``, ``gluon_bwd.py``;
             ``MLA_ATTN_GLUON=0`` opts out); everything else is Triton.
 
@@ -88,5 +89,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 
         o, lse = flash_attention(q, k, v, bool(causal), float(scale))
     else:
+        o = None
+        if impl == "auto" and not return_lse and not q.is_cuda:  # PyTorch's fused kernel: no [M, N] scores
+            o = attention_sdpa(q, k, v, causal=bool(causal), scale=float(scale))
+        if o is not None:
+            return o
         o, lse = attention_reference(q, k, v, causal=bool(causal), scale=float(scale))
     return (o, lse) if return_lse else o

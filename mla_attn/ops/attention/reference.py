@@ -53,3 +53,45 @@ def attention_reference(q, k, v, *, causal: bool, scale: float):
     o, lse = masked_softmax_attention(scores, vg, mask)
     o = o.reshape(b, hq, m, v.shape[-1]).to(q.dtype)
     return o, lse.reshape(b, hq, m).float()
+
+
+def attention_sdpa(q, k, v, *, causal: bool, scale: float):
+    """The same attention as :func:`attention_reference` (output only) through PyTorch's own
+    ``scaled_dot_product_attention``, or None where the two could differ: no keys or no queries, or a causal
+    mask with M > N (rows that see no key, which SDPA would fill with NaN).
+
+    ``impl="auto"`` takes it off CUDA when no LSE is asked for. On a CPU it runs PyTorch's fused kernel, which
+    never builds the [M, N] score matrix. On this project's 2-core CI machine (session 31, fp32, causal) it was
+    8x the readable reference's speed forward and 5.6x forward+backward at 1 x 16/4 x 1024 d 64, and 6x / 3.9x at
+    1 x 16 x 2048 d 128."""
+    b, hq, m, _ = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if m == 0 or n == 0 or (causal and m > n) or not _SDPA_GQA:
+        return None
+    import torch.nn.functional as F
+
+    kwargs = {"scale": scale, "enable_gqa": hkv != hq}
+    if causal and m == n:
+        kwargs["is_causal"] = True
+    elif causal:
+        from torch.nn.attention.bias import causal_lower_right
+        kwargs["attn_mask"] = causal_lower_right(m, n)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _sdpa_has_gqa() -> bool:
+    import inspect
+
+    import torch.nn.functional as F
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: try it
+        t = torch.zeros(1, 2, 1, 8)
+        try:
+            F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
+            return True
+        except TypeError:
+            return False
+
+
+_SDPA_GQA = _sdpa_has_gqa()  # torch >= 2.5; older torch keeps the readable path
