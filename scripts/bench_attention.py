@@ -22,6 +22,7 @@ import triton
 from triton.testing import do_bench
 
 import mla_attn
+from mla_attn.ops.attention.reference import SDPA_GQA
 from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
 from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 
@@ -31,16 +32,7 @@ ROWS = [  # B, Hq, Hkv, L, Dqk, Dv
     (4, 128, 128, 2048, 192, 128),
     (8, 32, 8, 2048, 128, 128),
 ]
-def _has_gqa() -> bool:
-    try:
-        t = torch.zeros(1, 2, 1, 16)
-        F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
-        return True
-    except TypeError:
-        return False
-
-
-HAS_GQA = _has_gqa()
+HAS_GQA = SDPA_GQA  # this torch's SDPA takes enable_gqa (the package's probe)
 
 
 def _inputs(b, hq, hkv, n, dqk, dv, grad=False):

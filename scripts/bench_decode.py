@@ -533,7 +533,7 @@ def main():
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")
-    ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 / 80 / 96 (128 for reference) "
+    ap.add_argument("--odd-widths", metavar="OUT", help="only: GQA decode at d 72 / 80 / 96 / 160 (128 for reference) "
                     "with stride units and the head split on and off, against SDPA")
     ap.add_argument("--paged-stages", metavar="OUT", help="only: GQA decode over pages of 64 at d 72 / 80 / 128 "
                     "with 3 / 4 stages and the tile across pages (PAGE_SPAN), against contiguous and SDPA")

@@ -88,8 +88,9 @@ if [ "${ONLY:-}" = odd ]; then
   step "bench odd widths" "$(lim 240)" $PY scripts/bench_attention.py --odd-widths "$out/bench_odd_widths.md"
 fi
 if [ "${ONLY:-}" = odd ] || [ "${ONLY:-}" = decodeodd ]; then
-  # Session 30: the Triton decode at GQA widths 72 / 80 / 96 (stride units; the head split, off by default): its
-  # GPU tests (with the d 128 ones), then the widths against SDPA with the split on and off.
+  # Sessions 30-31: the Triton decode at GQA widths 72 / 80 / 96 / 160 (stride units; the head split; tiles across
+  # pages, off by default): its GPU tests (with the d 128 ones), then the widths against SDPA with the split on
+  # and off, then pages of 64 with 4 stages and tiles across pages.
   step "decode GPU tests: odd widths" "$(lim 150)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'd72 or span or gqa_decode_bf16 or balanced or heuristic' 2>&1 | tee '$out/gpu_decodeodd_tests.log' | tail -15; exit \${PIPESTATUS[0]}"
   step "bench decode odd widths" "$(lim 240)" $PY scripts/bench_decode.py --odd-widths "$out/bench_decode_odd_widths.md"
   step "bench decode paged stages" "$(lim 180)" $PY scripts/bench_decode.py --paged-stages "$out/bench_decode_paged_stages.md"

@@ -36,8 +36,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         return_lse: also return the log-sum-exp of the scaled scores, ``[B, Hq, M]`` float32.
         impl: ``"auto"`` (the GPU kernels on CUDA tensors, reference elsewhere: without ``return_lse``
             through PyTorch's ``scaled_dot_product_attention``, the readable path where that could differ),
-            ``"triton"`` or ``"reference"`` (the readable path, ``reference.attention_reference``). The GPU kernels: on Hopper, for contiguous bf16/fp16 inputs, the forward
-            and the backward's dK/dV pass are Gluon kernels (``gluon_fwd.py``, ``gluon_bwd.py``;
+            ``"triton"`` or ``"reference"`` (the readable path, ``reference.attention_reference``). The GPU
+            kernels: on Hopper, for contiguous bf16/fp16 inputs, the forward and the backward's dK/dV pass are
+            Gluon kernels (``gluon_fwd.py``, ``gluon_bwd.py``;
             ``MLA_ATTN_GLUON=0`` opts out); everything else is Triton.
 
     Returns:
@@ -92,7 +93,6 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         o = None
         if impl == "auto" and not return_lse and not q.is_cuda:  # PyTorch's fused kernel: no [M, N] scores
             o = attention_sdpa(q, k, v, causal=bool(causal), scale=float(scale))
-        if o is not None:
-            return o
-        o, lse = attention_reference(q, k, v, causal=bool(causal), scale=float(scale))
+        if o is None:
+            o, lse = attention_reference(q, k, v, causal=bool(causal), scale=float(scale))
     return (o, lse) if return_lse else o

@@ -6,6 +6,7 @@ Softmax runs in float32 whatever the input dtype; the output is cast back to q's
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def masked_softmax_attention(scores: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
@@ -66,10 +67,8 @@ def attention_sdpa(q, k, v, *, causal: bool, scale: float):
     1 x 16 x 2048 d 128."""
     b, hq, m, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    if m == 0 or n == 0 or (causal and m > n) or not _SDPA_GQA:
+    if m == 0 or n == 0 or (causal and m > n) or not SDPA_GQA:
         return None
-    import torch.nn.functional as F
-
     kwargs = {"scale": scale, "enable_gqa": hkv != hq}
     if causal and m == n:
         kwargs["is_causal"] = True
@@ -80,18 +79,12 @@ def attention_sdpa(q, k, v, *, causal: bool, scale: float):
 
 
 def _sdpa_has_gqa() -> bool:
-    import inspect
-
-    import torch.nn.functional as F
+    t = torch.zeros(1, 2, 1, 8)
     try:
-        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: try it
-        t = torch.zeros(1, 2, 1, 8)
-        try:
-            F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
-            return True
-        except TypeError:
-            return False
+        F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
 
 
-_SDPA_GQA = _sdpa_has_gqa()  # torch >= 2.5; older torch keeps the readable path
+SDPA_GQA = _sdpa_has_gqa()  # torch >= 2.5; older torch keeps the readable path
