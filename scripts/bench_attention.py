@@ -734,6 +734,62 @@ def bench_odd_widths(out=None, rounds=3):
     _write_table(out, lines)
 
 
+def bench_gluon_odd(out=None, rounds=3):
+    """Forward and fwd+bwd through the public op at the odd head widths, the forward on the Triton kernel
+    (``gluon_fwd.ODD_WIDTHS`` off, the default) or on the Gluon kernel (on: Dqk / Dv split into TMA blocks of
+    powers of two, a padded tail zero-filled, two value accumulators), against SDPA; the backward is the same
+    either way. ``rounds`` rounds, the order rotated each round, medians kept."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal, "
+             "[B, H, L, D] inputs; 'tiles': how ODD_WIDTHS splits Dqk / Dv (a '-p' tail has p padding columns); "
+             "TF/s, medians", "",
+             "| B | Hq/Hkv | L | Dqk/Dv | tiles | fwd: triton | gluon | SDPA | gluon / triton | gluon / SDPA | "
+             "fwd+bwd: triton | gluon | SDPA | gluon / triton | gluon / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def tiles(d):
+        d0, d1, pad = gluon_fwd._split_padded(d)
+        return str(d0) + (f"+{d1}" if d1 else "") + (f"-{pad}" if pad else "")
+
+    old = gluon_fwd.ODD_WIDTHS
+    try:
+        for row in ODD_WIDTH_ROWS:
+            scale, flops, q, k, v, do = _train_row(*row)
+
+            def ours(odd, grad):
+                def run():
+                    gluon_fwd.ODD_WIDTHS = odd
+                    if grad:
+                        _ours(q, k, v, scale).backward(do)
+                    else:
+                        with torch.no_grad():
+                            _ours(q, k, v, scale)
+                return run
+
+            def sdpa_fwd():
+                with torch.no_grad():
+                    _sdpa(q, k, v, scale)
+
+            cells = []
+            for grad in (False, True):
+                cands = {"triton": ours(False, grad), "gluon": ours(True, grad),
+                         "sdpa": (lambda: _sdpa(q, k, v, scale).backward(do)) if grad else sdpa_fwd}
+                f = flops if grad else flops / 3.5
+                tf = {nm: f / (t * 1e-3) / 1e12
+                      for nm, t in _rotated_medians(cands, rounds, [q, k, v] if grad else None).items()}
+                cells += [f"{tf['triton']:.0f}", f"{tf['gluon']:.0f}", f"{tf['sdpa']:.0f}",
+                          f"{tf['gluon'] / tf['triton']:.2f}", f"{tf['gluon'] / tf['sdpa']:.2f}"]
+            b, hq, hkv, n, dqk, dv = row
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tiles(dqk)} / {tiles(dv)} | " + " | ".join(cells)
+                         + " |")
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        gluon_fwd.ODD_WIDTHS = old
+    _write_table(out, lines)
+
+
 def bench_gqa_sweep(out=None):
     """The main table's columns on rows where SDPA has to repeat KV heads (the GQA row's group grown from 4 to
     32, i.e. MQA) or handle unusual head widths (64, 72, 96/64): where does ours pass SDPA?"""
@@ -762,6 +818,8 @@ def main(argv=None):
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
+    ap.add_argument("--gluon-odd", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths, the forward on Triton "
+                    "or on Gluon (gluon_fwd.ODD_WIDTHS), against SDPA")
     ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths: before / stride units / units + value split")
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
@@ -776,7 +834,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "gluon_odd": bench_gluon_odd, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

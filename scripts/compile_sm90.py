@@ -165,12 +165,16 @@ def main():
         def desc(rows, cols):
             return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
 
-        from mla_attn.ops.attention.gluon_fwd import _split_head_dim
+        from mla_attn.ops.attention.gluon_fwd import _split_padded
 
-        d0, d1 = _split_head_dim(args.dqk)
+        # widths as ODD_WIDTHS splits them (the same as the default's where that takes them)
+        d0, d1, _ = _split_padded(args.dqk)
+        dv0, dv1, v_pad = _split_padded(args.dv)
         qa = a // 2 if args.pair else a  # rows of one head in a block (Q's and O's descriptor blocks)
-        ptrs = {"q_desc": desc(qa, d0), "k_desc": desc(b, d0), "v_desc": desc(b, args.dv), "O": "*bf16", "LSE": "*fp32"}
-        const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
+        ptrs = {"q_desc": desc(qa, d0), "k_desc": desc(b, d0), "v_desc": desc(b, dv0), "O": "*bf16", "LSE": "*fp32"}
+        if dv1:  # a value tail: a second accumulator
+            ptrs["v1_desc"] = desc(b, dv1)
+        const = dict(D_QK0=d0, D_QK1=d1, D_V=dv0, D_V1=dv1, DV_TAIL=dv1 - v_pad, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      PV_OVERLAP=args.pv_overlap, Q_IN_REGS=args.q_in_regs, TOKEN_MAJOR=args.token_major,
                      num_warps=warps)
         if d1:  # the launcher passes None for the second-half descriptors when there is no second half
@@ -190,11 +194,17 @@ def main():
         const["S1_EARLY"] = args.s1_early
         const["TAIL"] = args.tail
         const["PAIR"] = args.pair
+        if not dv1:
+            const.update(v1_desc=None, o1_desc=None)
         if args.tma_store:  # the output stored by TMA through Q's buffer
-            ptrs["o_desc"] = desc(qa, args.dv)
+            ptrs["o_desc"] = desc(qa, dv0)
+            if dv1:
+                ptrs["o1_desc"] = desc(qa, dv1)
             const["TMA_STORE"] = True
         else:
             const.update(o_desc=None, TMA_STORE=False)
+            if dv1:
+                const["o1_desc"] = None
         if args.block_trace:  # the block-timeline stamps (scripts/trace_flash_blocks.py)
             ptrs["BT"] = "*i64"
             const["BLOCK_TRACE"] = True

@@ -721,3 +721,129 @@ def test_training_step_plans_match_unplanned(side, token_major, monkeypatch):
     for e, g in zip(expect, got):
         for a, b_ in zip(e, g):
             assert not torch.isnan(b_).any() and torch.equal(a, b_)
+
+
+# ODD_WIDTHS (off by default until these pass on the H200): head widths split into power-of-two TMA blocks, a
+# padded tail's columns past the row's end zero-filled by TMA (72 = 64 + 16 - 8, 40 = 32 + 16 - 8), and the value
+# head in two accumulators (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32). Cases: a partial last row block (stored
+# directly, its tail columns masked), M > N (rows that see no key), one row, GQA with head pairs, the plain
+# schedule (Dv > 128), a power-of-two value head the default does not take (32), Dqk and Dv split differently
+# (no TMA store: Q's buffers lack O's block shapes), a non-power-of-two head count.
+ODD_CASES = [
+    (1, 4, 4, 1023, 1024, 72, 72, True),
+    (2, 8, 2, 300, 333, 80, 80, True),
+    (1, 3, 1, 113, 203, 96, 96, False),
+    (1, 2, 2, 130, 65, 40, 40, True),
+    (1, 2, 2, 1, 1, 72, 72, True),
+    (1, 4, 2, 257, 300, 160, 160, True),
+    (1, 4, 4, 257, 511, 48, 32, False),
+    (2, 4, 4, 512, 512, 72, 80, True),
+    (1, 2, 2, 300, 333, 192, 72, True),
+    (1, 6, 3, 640, 640, 88, 88, True),
+]
+_ODD_ID = lambda x: x if isinstance(x, str) else "B{}-Hq{}-Hkv{}-M{}-N{}-D{}x{}-{}".format(  # noqa: E731
+    *x[:7], "causal" if x[7] else "full")
+
+
+def test_split_padded_widths():
+    """ODD_WIDTHS' splits (plain Python: runs without a GPU): two power-of-two blocks of at least 16 columns, the
+    second padded by at most 8, rows a multiple of 8 elements; everything else stays on the Triton kernel."""
+    sp = gluon_fwd._split_padded
+    assert [sp(d) for d in (16, 64, 128, 256)] == [(16, 0, 0), (64, 0, 0), (128, 0, 0), (256, 0, 0)]
+    assert sp(72) == (64, 16, 8) and sp(80) == (64, 16, 0) and sp(96) == (64, 32, 0) and sp(40) == (32, 16, 8)
+    assert sp(160) == (128, 32, 0) and sp(192) == (128, 64, 0) and sp(88) == (64, 32, 8) and sp(24) == (16, 16, 8)
+    for d in (8, 36, 63, 104, 112, 200, 264):
+        assert sp(d) is None, d
+    for d in range(16, 257, 8):  # every split covers d exactly once its padding is taken off
+        s = sp(d)
+        if s is not None:
+            d0, d1, pad = s
+            assert d0 + d1 - pad == d and d0 & (d0 - 1) == 0 and (d1 == 0 or (d1 >= 16 and d1 & (d1 - 1) == 0))
+            assert 0 <= pad <= 8 and (pad == 0 or d1 > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case, variant", [(c, o) for c in ODD_CASES for o in ("overlap-qregs", "plain")
+                                             if not (o != "plain" and c[6] > 128)], ids=_ODD_ID)
+def test_gluon_forward_odd_widths_match_oracle(case, variant, monkeypatch):
+    """ODD_WIDTHS on, bf16, into NaN-poisoned outputs (a column or row left unwritten fails): against the float64
+    oracle within 2x of PyTorch's own bf16 error; rows that see no key exactly 0."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    _poison_outputs(monkeypatch)
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    q = torch.randn(b, hq, m, dqk, device="cuda", dtype=torch.bfloat16)
+    assert gluon_fwd.supported(q, torch.empty(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16),
+                               torch.empty(b, hkv, n, dv, device="cuda", dtype=torch.bfloat16))
+    _check(*case, torch.bfloat16, variant != "plain", q_in_regs=variant.endswith("qregs") and dqk <= 192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [ODD_CASES[0], ODD_CASES[1], ODD_CASES[5]], ids=_ODD_ID)
+def test_gluon_forward_odd_widths_fp16(case, monkeypatch):
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    _check(*case, torch.float16, case[6] <= 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [ODD_CASES[0], ODD_CASES[1], ODD_CASES[7], ODD_CASES[9]], ids=_ODD_ID)
+@pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
+def test_gluon_forward_odd_widths_tma_store_matches_direct(case, token_major, monkeypatch):
+    """The value tail's TMA store (through Q's second buffer, its padding clipped by the descriptor) is bit for
+    bit the direct stores' output, into NaN-poisoned buffers; token-major inputs (a padded head dim read from a
+    head-major copy, an exact one in place) give the same output as head-major ones."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    b, hq, hkv, m, n, dqk, dv, causal = case
+    q, k, v, _ = _seeded_qkv(case, token_major, 11)
+    _poison_outputs(monkeypatch)
+    outs = []
+    for tma in (True, False):
+        monkeypatch.setattr(gluon_fwd, "TMA_STORE", tma)
+        outs.append(gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=dqk ** -0.5, token_major=token_major))
+    _assert_same_outputs(*outs)
+    hm = tuple(t.contiguous() for t in (q, k, v))
+    _assert_same_outputs(outs[0], gluon_fwd.flash_fwd_gluon(*hm, causal=causal, scale=dqk ** -0.5))
+    o_ref, lse_ref = attention_oracle(*(t.double() for t in (q, k, v)), causal=causal, scale=dqk ** -0.5)
+    assert_close(outs[0][0], o_ref, floor=dtype_floor(torch.bfloat16),
+                 baseline=_torch_same_dtype(q, k, v, causal, dqk ** -0.5), name="o")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+def test_gluon_forward_odd_widths_plan_replay_and_persistent(monkeypatch):
+    """A planned call replays on new tensors (a padded q / k copied head-major again, v token-major in place) with
+    the first call's outputs for the same inputs; the persistent schedule, which has no value tail, is refused
+    by name, and "1" in the environment leaves such calls on the grid."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    case = (2, 8, 2, 300, 333, 72, 80, True)
+    first = _seeded_qkv(case, True, 3)[:3]
+    again = tuple(t.clone() for t in first)
+    o1 = gluon_fwd.flash_fwd_gluon(*first, causal=True, scale=0.1, token_major=True)
+    o2 = gluon_fwd.flash_fwd_gluon(*again, causal=True, scale=0.1, token_major=True)
+    other = _seeded_qkv(case, True, 4)[:3]
+    o3 = gluon_fwd.flash_fwd_gluon(*other, causal=True, scale=0.1, token_major=True)
+    assert torch.equal(o1[0], o2[0]) and torch.equal(o1[1], o2[1])
+    o_ref, _ = attention_oracle(*(t.double() for t in other), causal=True, scale=0.1)
+    assert_close(o3[0], o_ref, floor=dtype_floor(torch.bfloat16),
+                 baseline=_torch_same_dtype(*other, True, 0.1), name="o")
+    with pytest.raises(ValueError, match="persistent"):
+        gluon_fwd.flash_fwd_gluon(*first, causal=True, scale=0.1, persistent=True)
+    monkeypatch.setattr(gluon_fwd, "PERSISTENT", "1")
+    o4 = gluon_fwd.flash_fwd_gluon(*first, causal=True, scale=0.1)
+    assert torch.equal(o4[0], o1[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [ODD_CASES[1], ODD_CASES[3]], ids=_ODD_ID)
+def test_gluon_forward_odd_widths_through_the_op(case, monkeypatch):
+    """The public op with ODD_WIDTHS on routes these widths' forward to Gluon (the backward stays on Triton):
+    forward and all three gradients against the float64 oracle (test_attention_triton's check)."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    calls = []
+    real = gluon_fwd.flash_fwd_gluon
+    monkeypatch.setattr(gluon_fwd, "flash_fwd_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert calls

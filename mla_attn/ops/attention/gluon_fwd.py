@@ -147,6 +147,10 @@ TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 # 449 TFLOP/s (+2.6%), 4 x 32/8 x 4096 +0.4%, 16 x 16/8 x 1024 +5.5%; the grid +4-7%. "auto" (default): causal
 # GQA with an even group; "1": every even group; "0": never. MLA_ATTN_GLUON_HEAD_PAIR overrides.
 HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "auto")
+# Head widths other than a power of two or a sum of two (``_split_padded``): Dqk 72 as 64 + 16 with the last 8
+# columns TMA's zero fill, Dv 72 / 80 / 96 / 160 as two accumulators (64 + 16, 64 + 32, 128 + 32) with two P V
+# wgmmas. Off by default until it has run on a GPU; MLA_ATTN_GLUON_ODD=1 turns it on.
+ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "0") == "1"
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -173,16 +177,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, tile, kv_row0, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
-        """Start the TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end)."""
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr,
+                 v1_desc=None, v1_smem=None, D_V0: gl.constexpr = 0, SPLIT_V: gl.constexpr = False):
+        """Start the TMA loads of key tile ``tile`` into ring stage tile % STAGES (no-op past the end).
+        SPLIT_V: the value columns past D_V0 too (Dv 80 = 64 + 16), through v1_desc into v1_smem."""
         stage = tile % STAGES
         pred = tile < n_tiles
         bar = bars.index(stage)
+        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         if SPLIT:
-            mbarrier.expect(bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes,
-                            pred=pred)
+            if SPLIT_V:
+                mbarrier.expect(bar, nbytes + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes, pred=pred)
+            else:
+                mbarrier.expect(bar, nbytes + k1_desc.block_type.nbytes, pred=pred)
+        elif SPLIT_V:
+            mbarrier.expect(bar, nbytes + v1_desc.block_type.nbytes, pred=pred)
         else:
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+            mbarrier.expect(bar, nbytes, pred=pred)
         # kv_row0 = (K's first row, K's first column, V's first row, V's first column) of this head in the
         # 2-D views (a [B, H, L, D] tensor as [B * H * L, D], or a [B, L, H, D] one as [B * L, H * D]).
         k_row = kv_row0[0] + tile * BLOCK_N
@@ -192,6 +203,8 @@ if AVAILABLE:
             _tma_load(k1_desc, [k_row, kv_row0[1] + D_QK0], bar, k1_smem.index(stage),
                                             pred=pred)
         _tma_load(v_desc, [v_row, kv_row0[3]], bar, v_smem.index(stage), pred=pred)
+        if SPLIT_V:
+            _tma_load(v1_desc, [v_row, kv_row0[3] + D_V0], bar, v1_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _qk(q_smem, q1_smem, k_smem, k1_smem, stage, s_zero, SPLIT: gl.constexpr):
@@ -202,40 +215,74 @@ if AVAILABLE:
         return s
 
     @gluon.jit
+    def _pv(p_op, v_smem, v1_smem, stage, acc, acc1, p1_layout: gl.constexpr, SPLIT_V: gl.constexpr):
+        """Issue acc += P V for the key tile in ``stage``; SPLIT_V: a second wgmma group, acc1 += P V1 over the
+        value columns past the first power of two (P is the same A operand, in acc1's operand layout)."""
+        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        if SPLIT_V:
+            acc1 = warpgroup_mma(gl.convert_layout(p_op, p1_layout), v1_smem.index(stage), acc1, is_async=True)
+        return acc, acc1
+
+    @gluon.jit
+    def _wait_acc(acc, acc1, n: gl.constexpr, SPLIT_V: gl.constexpr):
+        """Wait until at most n wgmma groups issued after P V's are in flight: P V (both groups) done."""
+        if SPLIT_V:
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=n, deps=(acc, acc1))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=n, deps=(acc,))
+        return acc, acc1
+
+    @gluon.jit
+    def _rescale(acc, acc1, alpha, row_o: gl.constexpr, row_o1: gl.constexpr, SPLIT_V: gl.constexpr):
+        """acc (and acc1) scaled by alpha row by row."""
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        if SPLIT_V:
+            acc1 = acc1 * gl.convert_layout(alpha, row_o1)[:, None]
+        return acc, acc1
+
+    @gluon.jit
     def _steady_step(j, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
                      kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr, row_o: gl.constexpr,
                      p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     PV_OVERLAP: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr):
+                     PV_OVERLAP: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, acc1=0, v1_smem=None,
+                     v1_desc=None, row_o1: gl.constexpr = None, p1_layout: gl.constexpr = None, D_V0: gl.constexpr = 0,
+                     SPLIT_V: gl.constexpr = False):
         """Key tile j (not the last): steps 1-6 of the module docstring. s holds tile j's finished
-        scores; returns tile j + 1's, and acc in flight (a wgmma accumulator)."""
+        scores; returns tile j + 1's, and acc (acc1: SPLIT_V's value tail) in flight (wgmma accumulators)."""
         nxt = (j + 1) % STAGES
         mbarrier.wait(bars.index(nxt), ((j + 1) // STAGES) & 1)
         s_next = _qk(q_smem, q1_smem, k_smem, k1_smem, nxt, s_zero, SPLIT)
         # Tile j < n_tiles - 1 lies wholly below N: only the causal mask can apply.
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j * BLOCK_N, qk_scale, CAUSAL, CAUSAL)
         # P V of tile j - 1 done; the score groups just issued may still run.
-        acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
+        acc, acc1 = _wait_acc(acc, acc1, 2 if SPLIT else 1, SPLIT_V)
         # Both warpgroups must be past tile j - 1 before its stage is refilled: each wgmma wait covers
         # only its own warpgroup.
         _thread_barrier()
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
-                 STAGES, D_QK0, SPLIT)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                 STAGES, D_QK0, SPLIT, v1_desc, v1_smem, D_V0, SPLIT_V)
+        acc, acc1 = _rescale(acc, acc1, alpha, row_o, row_o1, SPLIT_V)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        acc, acc1 = _pv(p_op, v_smem, v1_smem, j % STAGES, acc, acc1, p1_layout, SPLIT_V)
         if PV_OVERLAP:  # P_j V_j runs on into the next tile's softmax
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+            s = warpgroup_mma_wait(num_outstanding=2 if SPLIT_V else 1, deps=(s_next,))
+        elif SPLIT_V:
+            s, acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc, acc1))
+            acc = warpgroup_mma_init(acc)
+            acc1 = warpgroup_mma_init(acc1)
         else:
             s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
             acc = warpgroup_mma_init(acc)
-        return s, acc, m_i, l_i
+        return s, acc, acc1, m_i, l_i
 
     @gluon.jit
     def _overlap_step(j, p_op, alpha, s, acc, m_i, l_i, q_smem, q1_smem, k_smem, k1_smem, v_smem, bars, k_desc,
                       k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype: gl.constexpr,
                       row_o: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr, ISSUE_NEXT: gl.constexpr,
-                      MASK: gl.constexpr, TR=None, tr_on=False, TRACE: gl.constexpr = False):
+                      MASK: gl.constexpr, TR=None, tr_on=False, TRACE: gl.constexpr = False, acc1=0, v1_smem=None,
+                      v1_desc=None, row_o1: gl.constexpr = None, p1_layout: gl.constexpr = None,
+                      D_V0: gl.constexpr = 0, SPLIT_V: gl.constexpr = False):
         """PV_OVERLAP schedule, key tile j. In: P_j (dot operand); acc already rescaled by alpha_j; s =
         S_{j+1}, complete. Issue P_j V_j, refill, issue S_{j+2} (ISSUE_NEXT), run the softmax of S_{j+1}
         under both wgmmas. Then wait for P_j V_j alone and rescale acc by alpha_{j+1} and convert P_{j+1}
@@ -247,14 +294,14 @@ if AVAILABLE:
         # d 128 build past 255 registers, and ptxas then serialises the wgmmas, C7511.)
         if TRACE:
             _trace_stamp(TR, tr_on, 0, j, 0, TRACE_TILES, TRACE_EVENTS)
-        acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+        acc, acc1 = _pv(p_op, v_smem, v1_smem, j % STAGES, acc, acc1, p1_layout, SPLIT_V)
         # P_{j-1} V_{j-1} finished in step j - 1 in both warpgroups once all threads pass here, so tile
         # j - 1's stage can be refilled.
         _thread_barrier()
         if TRACE:
             _trace_stamp(TR, tr_on, 0, j, 2, TRACE_TILES, TRACE_EVENTS)
         _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, j + STAGES - 1, kv_row0, n_tiles, BLOCK_N,
-                 STAGES, D_QK0, SPLIT)
+                 STAGES, D_QK0, SPLIT, v1_desc, v1_smem, D_V0, SPLIT_V)
         if ISSUE_NEXT:
             nxt = (j + 2) % STAGES
             mbarrier.wait(bars.index(nxt), ((j + 2) // STAGES) & 1)
@@ -266,18 +313,18 @@ if AVAILABLE:
         if TRACE:
             _trace_stamp(TR, tr_on, 0, j, 5, TRACE_TILES, TRACE_EVENTS)
         if ISSUE_NEXT:
-            acc = warpgroup_mma_wait(num_outstanding=2 if SPLIT else 1, deps=(acc,))
+            acc, acc1 = _wait_acc(acc, acc1, 2 if SPLIT else 1, SPLIT_V)
         else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
         if TRACE:
             _trace_stamp(TR, tr_on, 0, j, 6, TRACE_TILES, TRACE_EVENTS)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc, acc1 = _rescale(acc, acc1, alpha, row_o, row_o1, SPLIT_V)
         p_op = gl.convert_layout(p_lo, p_layout)
         if ISSUE_NEXT:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
             if TRACE:
                 _trace_stamp(TR, tr_on, 0, j, 8, TRACE_TILES, TRACE_EVENTS)
-        return p_op, alpha, s, acc, m_i, l_i
+        return p_op, alpha, s, acc, acc1, m_i, l_i
 
     @gluon.jit
     def _block_rows(pid_m, pid_bh, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
@@ -327,7 +374,8 @@ if AVAILABLE:
     @gluon.jit
     def _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
                      q_row0, q_col0, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     D_QK0: gl.constexpr, SPLIT: gl.constexpr, Q_RH, Q_CH, PAIR: gl.constexpr):
+                     D_QK0: gl.constexpr, SPLIT: gl.constexpr, Q_RH, Q_CH, PAIR: gl.constexpr, v1_desc=None,
+                     v1_smem=None, D_V0: gl.constexpr = 0, SPLIT_V: gl.constexpr = False):
         """Start a row block's loads: Q on q_bar, key tiles 0 .. STAGES - 2 into the ring. PAIR: Q's descriptor
         is half the block's rows, loaded twice, the second head's (one Q_RH row and Q_CH column further) into
         the lower half."""
@@ -350,7 +398,7 @@ if AVAILABLE:
             _tma_load(q_desc, [q_row0, q_col0], q_bar, q_smem)
         for i in gl.static_range(STAGES - 1):
             _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, i, kv_row0, n_tiles, BLOCK_N, STAGES,
-                     D_QK0, SPLIT)
+                     D_QK0, SPLIT, v1_desc, v1_smem, D_V0, SPLIT_V)
 
     @gluon.jit
     def _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars,
@@ -359,10 +407,13 @@ if AVAILABLE:
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, PV_OVERLAP: gl.constexpr, Q_IN_REGS: gl.constexpr, D_QK0: gl.constexpr,
                        SPLIT: gl.constexpr, TR, tr_on, TRACE: gl.constexpr, S1_EARLY: gl.constexpr = False,
-                       PAIR: gl.constexpr = False):
+                       PAIR: gl.constexpr = False, v1_smem=None, v1_desc=None, o1_layout: gl.constexpr = None,
+                       p1_layout: gl.constexpr = None, row_o1: gl.constexpr = None, D_V1: gl.constexpr = 0):
         """A row block's key loop, its loads started by _block_loads and its barriers at phase 0 ->
-        (acc, m_i, l_i, the block's row positions), everything waited for. PAIR: rows BLOCK_M / 2 .. BLOCK_M
-        are the second head's, at the same positions as rows 0 .. BLOCK_M / 2."""
+        (acc, acc1, m_i, l_i, the block's row positions), everything waited for. PAIR: rows BLOCK_M / 2 ..
+        BLOCK_M are the second head's, at the same positions as rows 0 .. BLOCK_M / 2. D_V1 > 0: the value
+        head is D_V + D_V1 columns, the second part in v1_smem and acc1 (else acc1 is 0, unused)."""
+        SPLIT_V: gl.constexpr = D_V1 > 0
         if PAIR:
             row_first = pid_m * (BLOCK_M // 2)
             o_m = row_first + gl.arange(0, BLOCK_M, layout=row_s) % (BLOCK_M // 2)
@@ -373,6 +424,10 @@ if AVAILABLE:
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, D_V], gl.float32, layout=o_layout)
+        if SPLIT_V:
+            acc1 = gl.zeros([BLOCK_M, D_V1], gl.float32, layout=o1_layout)
+        else:
+            acc1 = 0
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
         mbarrier.wait(q_bar, 0)
@@ -393,6 +448,8 @@ if AVAILABLE:
             mbarrier.wait(bars.index(0), 0)
             s = _qk(q_op, q1_op, k_smem, k1_smem, 0, s_zero, SPLIT)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if SPLIT_V:
+                acc1 = warpgroup_mma_init(acc1)
             acc = warpgroup_mma_init(acc)  # loop-carried as a wgmma accumulator (it ends each iteration in flight)
             # Steady state: tiles 0 .. n_tiles - 2, each with the next score tile in flight. With
             # PV_OVERLAP the loop is unrolled by two, so that the scores of consecutive tiles live in
@@ -411,11 +468,11 @@ if AVAILABLE:
                     else:
                         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
                         p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
                 else:
                     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, 0, qk_scale, CAUSAL, True)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
                 if n_tiles > 1:
                     if not S1_EARLY:
                         mbarrier.wait(bars.index(1 % STAGES), (1 // STAGES) & 1)
@@ -430,54 +487,56 @@ if AVAILABLE:
                     # Unrolled by two: the scores of consecutive tiles then live in two register sets,
                     # so the finished S_{j+2} is not copied into S_{j+1}'s registers at the back edge.
                     for j in range(0, j_split - 1, 2):
-                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                        p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
-                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                        p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j + 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                     if j_split % 2 == 1:
-                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                        p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                             bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero,
-                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE)
+                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                     for j in range(j_split, n_tiles - 2):
-                        p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                        p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL, TR, tr_on, TRACE)
-                    p_op, alpha, s, acc, m_i, l_i = _overlap_step(
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                    p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE)
+                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                 # P V of the last tile (acc already rescaled by its alpha).
-                acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc, acc1 = _pv(p_op, v_smem, v1_smem, (n_tiles - 1) % STAGES, acc, acc1, p1_layout, SPLIT_V)
+                acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
             else:
                 for j in range(0, n_steady):
-                    s, acc, m_i, l_i = _steady_step(
+                    s, acc, acc1, m_i, l_i = _steady_step(
                         j, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars, k_desc, k1_desc, v_desc,
                         kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype, row_o, p_layout, BLOCK_N, STAGES,
-                        CAUSAL, False, D_QK0, SPLIT)
+                        CAUSAL, False, D_QK0, SPLIT, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                 # Last tile: nothing left to prefetch or to overlap.
                 j_last = n_tiles - 1
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, o_m, o_n, M, N, j_last * BLOCK_N, qk_scale,
                                                    CAUSAL, True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
+                acc, acc1 = _rescale(acc, acc1, alpha, row_o, row_o1, SPLIT_V)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(j_last % STAGES), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return acc, m_i, l_i, o_m
+                acc, acc1 = _pv(p_op, v_smem, v1_smem, j_last % STAGES, acc, acc1, p1_layout, SPLIT_V)
+                acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
+        return acc, acc1, m_i, l_i, o_m
 
     @gluon.jit
     def _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout: gl.constexpr,
-                    row_o: gl.constexpr, ROWS: gl.constexpr, D_V: gl.constexpr, PAIR: gl.constexpr = False):
+                    row_o: gl.constexpr, ROWS: gl.constexpr, D_V: gl.constexpr, PAIR: gl.constexpr = False,
+                    COL0: gl.constexpr = 0, COLS: gl.constexpr = 0):
         """Rows row0 .. row0 + ROWS of o (in the accumulator's layout) stored straight from registers, rows >= M
-        left out. PAIR: the second half of o is head i_h + 1's rows row0 .. row0 + ROWS / 2."""
-        o_d = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+        left out. PAIR: the second half of o is head i_h + 1's rows row0 .. row0 + ROWS / 2. COL0 / COLS (a
+        value tail): o's columns go to columns COL0.. of O, the first COLS of them only (0: all D_V)."""
+        o_d = COL0 + gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
         if PAIR:
             r = gl.arange(0, ROWS, layout=row_o)
             o_mo = row0 + r % (ROWS // 2)
@@ -487,13 +546,18 @@ if AVAILABLE:
             o_mo = row0 + gl.arange(0, ROWS, layout=row_o)
             p_o = (O + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
                    + o_mo.to(gl.int64)[:, None] * stride_om + o_d[None, :])
-        gl.store(p_o, o, mask=(o_mo < M)[:, None])
+        if COLS > 0 and COLS < D_V:
+            gl.store(p_o, o, mask=(o_mo < M)[:, None] & (o_d < COL0 + COLS)[None, :])
+        else:
+            gl.store(p_o, o, mask=(o_mo < M)[:, None])
 
     @gluon.jit
     def _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, stride_lb,
                         stride_lh, o_layout: gl.constexpr, row_o: gl.constexpr, ROWS: gl.constexpr,
                         D_V: gl.constexpr, o_desc=None, o_smem=None, H=0, TMA_STORE: gl.constexpr = False,
-                        DEFER_WAIT: gl.constexpr = False, PAIR: gl.constexpr = False, row_s: gl.constexpr = None):
+                        DEFER_WAIT: gl.constexpr = False, PAIR: gl.constexpr = False, row_s: gl.constexpr = None,
+                        acc1=0, o1_desc=None, o1_smem=None, o1_layout: gl.constexpr = None,
+                        row_o1: gl.constexpr = None, D_V1: gl.constexpr = 0, DV_TAIL: gl.constexpr = 0):
         """Normalise and store rows row0 .. row0 + ROWS of o (rows >= M not stored) and their lse (o_m: the
         same rows in the scores' row layout). Also the warp-specialised forward's (gluon_fwd_ws.py).
 
@@ -504,12 +568,17 @@ if AVAILABLE:
         for (its shared-memory read) before the function returns, or (DEFER_WAIT, the persistent loop) only
         before o_smem is written again, so the read overlaps the next block. A partial last block stores
         directly. PAIR: rows ROWS / 2 .. ROWS are head i_h + 1's (o_desc's blocks are ROWS / 2 rows; row_s is
-        o_m's layout)."""
+        o_m's layout). D_V1 > 0: acc1 holds value columns D_V .. D_V + DV_TAIL (its last D_V1 - DV_TAIL are
+        padding), stored through o1_desc / o1_smem (TMA; the descriptor's bounds clip the padding) or directly."""
+        SPLIT_V: gl.constexpr = D_V1 > 0
         # Rows that saw no key (causal with M > N) have l = 0: o = 0, lse = -inf.
         dead = l_i == 0.0
         lse = gl.where(dead, float("-inf"), (m_i + gl.log2(gl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         inv = gl.convert_layout(1.0 / gl.where(dead, 1.0, l_i), row_o)
         o = (acc * inv[:, None]).to(O.dtype.element_ty)
+        if SPLIT_V:
+            inv1 = gl.convert_layout(inv, row_o1)
+            o1 = (acc1 * inv1[:, None]).to(O.dtype.element_ty)
         if PAIR:
             last_row = row0 + ROWS // 2
         else:
@@ -520,17 +589,31 @@ if AVAILABLE:
                     tma.store_wait(0)
                     _thread_barrier()
                 o_smem.store(o)
+                if SPLIT_V:
+                    o1_smem.store(o1)
                 fence_async_shared()
                 _thread_barrier()
                 if PAIR:
                     _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem.slice(0, ROWS // 2))
                     _tma_store(o_desc, [(i_b * H + i_h + 1) * M + row0, 0], o_smem.slice(ROWS // 2, ROWS // 2))
+                    if SPLIT_V:
+                        _tma_store(o1_desc, [(i_b * H + i_h) * M + row0, D_V], o1_smem.slice(0, ROWS // 2))
+                        _tma_store(o1_desc, [(i_b * H + i_h + 1) * M + row0, D_V],
+                                   o1_smem.slice(ROWS // 2, ROWS // 2))
                 else:
                     _tma_store(o_desc, [(i_b * H + i_h) * M + row0, 0], o_smem)
+                    if SPLIT_V:
+                        _tma_store(o1_desc, [(i_b * H + i_h) * M + row0, D_V], o1_smem)
             else:
                 _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V, PAIR)
+                if SPLIT_V:
+                    _store_rows(o1, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o1_layout, row_o1, ROWS,
+                                D_V1, PAIR, D_V, DV_TAIL)
         else:
             _store_rows(o, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o_layout, row_o, ROWS, D_V, PAIR)
+            if SPLIT_V:
+                _store_rows(o1, O, i_b, i_h, row0, M, stride_ob, stride_oh, stride_om, o1_layout, row_o1, ROWS, D_V1,
+                            PAIR, D_V, DV_TAIL)
         p_lse = LSE + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m
         if PAIR:
             p_lse += (gl.arange(0, ROWS, layout=row_s) // (ROWS // 2)).to(gl.int64) * stride_lh
@@ -626,7 +709,7 @@ if AVAILABLE:
             pid_m, i_b, i_h, _, _, kv_row0, n_tiles = _work(w, n_mb, M, N, H, HK, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
                                                             V_RB, V_RH, V_CH, ROWS, BLOCK_N, CAUSAL, TOKEN_MAJOR,
                                                             BH, TAIL_BH, TAIL, PAIR)
-            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
+            acc, _, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem,
                                                 k1_smem, v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout,
                                                 o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
                                                 CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, None, False, False,
@@ -673,6 +756,7 @@ if AVAILABLE:
         PERSISTENT: gl.constexpr = False, COUNTER=None, BH=0, BT=None, BLOCK_TRACE: gl.constexpr = False,
         o_desc=None, TMA_STORE: gl.constexpr = False, SCHEDULE: gl.constexpr = 0, S1_EARLY: gl.constexpr = False,
         TAIL_BH=0, TAIL: gl.constexpr = False, PAIR: gl.constexpr = False,
+        v1_desc=None, o1_desc=None, D_V1: gl.constexpr = 0, DV_TAIL: gl.constexpr = 0,
     ):
         # Grid (row blocks, B * H): a head's row blocks launch together and share its K/V in L2 (ordered
         # the other way, a wave would span ~130 heads' K/V, more than the L2 holds). Causal runs each
@@ -708,6 +792,17 @@ if AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # A value tail (Dv = D_V + D_V1, e.g. 80 = 64 + 16): a second accumulator, as wide as its TMA block.
+        SPLIT_V: gl.constexpr = D_V1 > 0
+        if SPLIT_V:
+            o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                instr_shape=[16, D_V1, 16])
+            p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
+            row_o1: gl.constexpr = gl.SliceLayout(1, o1_layout)
+        else:
+            o1_layout: gl.constexpr = o_layout
+            p1_layout: gl.constexpr = p_layout
+            row_o1: gl.constexpr = row_o
 
         dtype: gl.constexpr = q_desc.dtype
         SPLIT: gl.constexpr = D_QK1 > 0  # Dqk = D_QK0 + D_QK1, each a power of two (TMA block shapes)
@@ -720,6 +815,10 @@ if AVAILABLE:
             q1_smem = q_smem
             k1_smem = k_smem
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], v_desc.layout)
+        if SPLIT_V:
+            v1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V1], v1_desc.layout)
+        else:
+            v1_smem = v_smem
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
@@ -739,21 +838,24 @@ if AVAILABLE:
         else:
             n_tiles = _block_tiles(pid_m, M, N, ROWS, BLOCK_N, CAUSAL)
             _block_loads(q_desc, q1_desc, k_desc, k1_desc, v_desc, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar,
-                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH, Q_CH, PAIR)
-            acc, m_i, l_i, o_m = _block_compute(pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem,
-                                           v_smem, q_bar, bars, k_desc, k1_desc, v_desc, s_layout, o_layout, p_layout,
-                                           row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES, CAUSAL, PV_OVERLAP,
-                                           Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE, S1_EARLY, PAIR)
+                         bars, q_row0, q_col0, kv_row0, n_tiles, BLOCK_N, STAGES, D_QK0, SPLIT, Q_RH, Q_CH, PAIR,
+                         v1_desc, v1_smem, D_V, SPLIT_V)
+            acc, acc1, m_i, l_i, o_m = _block_compute(
+                pid_m, n_tiles, kv_row0, M, N, qk_scale, q_smem, q1_smem, k_smem, k1_smem, v_smem, q_bar, bars, k_desc,
+                k1_desc, v_desc, s_layout, o_layout, p_layout, row_s, row_o, dtype, BLOCK_M, BLOCK_N, D_V, STAGES,
+                CAUSAL, PV_OVERLAP, Q_IN_REGS, D_QK0, SPLIT, TR, tr_on, TRACE, S1_EARLY, PAIR, v1_smem, v1_desc,
+                o1_layout, p1_layout, row_o1, D_V1)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 3)
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
             # TMA_STORE: O goes out through q_smem (D_QK0 == D_V: same shape and layout), free once the last
-            # score wgmma is done; each warpgroup writes only the 64 rows its own wgmmas read.
+            # score wgmma is done; each warpgroup writes only the 64 rows its own wgmmas read. A value tail goes
+            # through q1_smem (D_QK1 == D_V1).
             _block_epilogue(acc, m_i, l_i, o_m, O, LSE, i_b, i_h, pid_m * ROWS, M, stride_ob, stride_oh, stride_om,
                             stride_lb, stride_lh, o_layout, row_o, BLOCK_M, D_V, o_desc, q_smem, H, TMA_STORE, False,
-                            PAIR, row_s)
+                            PAIR, row_s, acc1, o1_desc, q1_smem, o1_layout, row_o1, D_V1, DV_TAIL)
             if BLOCK_TRACE:
                 _block_stamp(BT, bt, 6)
 
@@ -784,8 +886,12 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         _warn_untested()
         return False
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and _split_head_dim(d_qk) is not None and d_v in (64, 128, 256) and q.shape[1] % k.shape[1] == 0)
+    if not (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and q.shape[1] % k.shape[1] == 0):
+        return False
+    if ODD_WIDTHS:
+        return _split_padded(d_qk) is not None and _split_padded(d_v) is not None
+    return _split_head_dim(d_qk) is not None and d_v in (64, 128, 256)
 
 
 def _tma_view(t: torch.Tensor, token_major: bool):
@@ -818,6 +924,21 @@ def _split_head_dim(d: int):
     if d1 == 0:
         return d0, 0
     return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
+
+
+def _split_padded(d: int):
+    """(d0, d1, pad) with d = d0 + d1 - pad for the forward's ``ODD_WIDTHS``: d0 a power of two >= 16, d1 0 or a
+    power of two >= 16 whose last ``pad`` (at most 8) columns lie past the row's end (TMA fills them with zeros
+    on loads and clips them on stores): 72 = 64 + 16 - 8, 80 = 64 + 16, 40 = 32 + 16 - 8. None if there is no
+    such split, or d is not a multiple of 8 (a TMA row stride is a multiple of 16 bytes)."""
+    if d > 256 or d < 16 or d % 8:
+        return None
+    d0 = 1 << (d.bit_length() - 1)
+    rest = d - d0
+    if rest == 0:
+        return d0, 0, 0
+    d1 = max(16, 1 << (rest - 1).bit_length())
+    return (d0, d1, d1 - rest) if d1 - rest <= 8 else None
 
 
 def _tail_heads(n_mb: int, bh: int, num_sms: int) -> int:
@@ -855,7 +976,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     if _fast.enabled() and (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, trace, persistent, block_trace,
                             schedule, s1_early, tail, pair) == _DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), bool(token_major), PERSISTENT, S1_EARLY,
-               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR)
+               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR, ODD_WIDTHS)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run_fwd(q, k, v, scale)
@@ -884,11 +1005,16 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     lse = triton_fwd._alloc((b, h, m), q.device, torch.float32)
     if o.numel() == 0 or n == 0:  # no rows, or no keys: every row is empty (o = 0, lse = -inf)
         return o.zero_(), lse.fill_(float("-inf"))
+    d0, d1, qk_pad = _split_padded(d_qk) if ODD_WIDTHS else _split_head_dim(d_qk) + (0,)
+    dv0, dv1, v_pad = _split_padded(d_v) if ODD_WIDTHS else (d_v, 0, 0)
+    # A padded tail's columns past the row's end must be TMA's zeros (Q K^T must not see them), which needs rows
+    # of exactly Dqk (head-major) rather than a token-major row running into the next head; and V's, so that O's
+    # padding columns stay finite (they are clipped on the store either way).
+    majors = (token_major and not qk_pad, token_major and not qk_pad, token_major and not v_pad)
     (q2, q_rb, q_rh, q_ch), (k2, k_rb, k_rh, k_ch), (v2, v_rb, v_rh, v_ch) = (
-        _tma_view(q, token_major), _tma_view(k, token_major), _tma_view(v, token_major))
+        _tma_view(t, major) for t, major in zip((q, k, v), majors))
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    plan = DescPlan(token_major, (q, k, v), (q2, k2, v2, o.view(b * h * m, d_v)), el)
-    d0, d1 = _split_head_dim(d_qk)
+    plan = DescPlan(majors, (q, k, v), (q2, k2, v2, o.view(b * h * m, d_v)), el)
     pair_ok = (h // hk) % 2 == 0
     if pair is None:
         pair = pair_ok and (HEAD_PAIR == "1" or (HEAD_PAIR == "auto" and causal))
@@ -899,12 +1025,16 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     units = b * h // 2 if pair else b * h  # head units: (batch, head) or (batch, head pair)
 
     desc = plan.desc  # (source: 0 q, 1 k, 2 v, 3 o; box rows, box columns) -> the next per-call Slot
-    q_desc, k_desc, v_desc = desc(0, rows, d0), desc(1, block_n, d0), desc(2, block_n, d_v)
+    q_desc, k_desc, v_desc = desc(0, rows, d0), desc(1, block_n, d0), desc(2, block_n, dv0)
     # None where Dqk has no second half: the kernel reads them only when D_QK1 > 0, and each descriptor costs
     # the driver an encode at every launch.
     q1_desc, k1_desc = (desc(0, rows, d1), desc(1, block_n, d1)) if d1 else (None, None)
-    if persistent is None:
-        persistent = _auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1"
+    extra_v = {"v1_desc": desc(2, block_n, dv1), "D_V1": dv1, "DV_TAIL": dv1 - v_pad} if dv1 else {}
+    if persistent and dv1:  # the persistent loop has no value tail (its output buffer is one block wide)
+        raise ValueError(f"flash_fwd_gluon: the persistent schedule takes no value tail (Dv {d_v} = {dv0} + "
+                         f"{dv1 - v_pad}); pass persistent=False")
+    if persistent is None:  # "1" in the environment: wherever it applies
+        persistent = (_auto_persistent(d_qk, d_v, trace) if PERSISTENT == "auto" else PERSISTENT == "1") and not dv1
     if s1_early is None:
         s1_early = (persistent and d_qk == d_v == 128) if S1_EARLY == "auto" else S1_EARLY == "1"
     # The output leaves by TMA through Q's shared-memory buffer where that buffer has O's block shape; the
@@ -914,9 +1044,12 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         smem = 2 * (block_m * (d0 + d1) + stages * block_n * (d0 + d1 + d_v) + block_m * d_v)
         tma_store = TMA_STORE and smem <= _SMEM_BYTES and o.is_contiguous()
     else:
-        tma_store = TMA_STORE and d0 == d_v and o.is_contiguous()
+        # a value tail through Q's second buffer, which must have its block shape too
+        tma_store = TMA_STORE and d0 == dv0 and (dv1 == 0 or d1 == dv1) and o.is_contiguous()
     if tma_store:
-        extra_o = {"o_desc": desc(3, rows, d_v), "TMA_STORE": True}  # over o seen as [B * H * M, Dv]
+        extra_o = {"o_desc": desc(3, rows, dv0), "TMA_STORE": True}  # over o seen as [B * H * M, Dv]
+        if dv1:  # the tail's columns dv0 .. dv0 + dv1: the descriptor's bounds clip the padding
+            extra_o["o1_desc"] = desc(3, rows, dv1)
     else:
         extra_o = {}
     if persistent and trace is not None:
@@ -944,11 +1077,11 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
     ), dict(
-        D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        D_QK0=d0, D_QK1=d1, D_V=dv0, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         PV_OVERLAP=pv_overlap, Q_IN_REGS=q_in_regs, TOKEN_MAJOR=bool(q_ch or k_ch or v_ch),
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
-        **({"S1_EARLY": True} if s1_early and pv_overlap else {}), **extra_tail,
+        **({"S1_EARLY": True} if s1_early and pv_overlap else {}), **extra_tail, **extra_v,
     ), {"num_warps": num_warps})
     plan.o_shape, plan.lse_shape = o.shape, lse.shape
     plan.launch(*plan.values((q, k, v, o), _fwd_named(plan, o, lse, scale)))
@@ -989,7 +1122,9 @@ class DescPlan:
     def __init__(self, token_major: bool, inputs, sources, el):
         # sources: the first call's 2-D views of the inputs, then of any outputs (a replay takes the outputs
         # as they are: only their data pointers are read)
-        self.token_major, self.el = token_major, el
+        # token_major: one flag for every input, or one each (the forward reads a padded head dim head-major)
+        self.token_major = tuple(token_major) if isinstance(token_major, (tuple, list)) else (token_major,) * len(inputs)
+        self.el = el
         self.copies = tuple(s.data_ptr() != t.data_ptr() for t, s in zip(inputs, sources))
         self.sources, self.order, self.launch, self.counter = sources, [], None, False
 
@@ -1008,7 +1143,7 @@ class DescPlan:
         if self.sources is not None:  # the first call: its own descriptors
             return [named[x] if src is None else x for src, x in self.order]
         n = len(self.copies)
-        bases = [_tma_view(t, self.token_major)[0] if c else t for t, c in zip(tensors[:n], self.copies)]
+        bases = [_tma_view(t, major)[0] if c else t for t, c, major in zip(tensors[:n], self.copies, self.token_major)]
         bases += tensors[n:]
         return [named[x] if src is None else rebased(x, bases[src]) for src, x in self.order]
 
