@@ -77,6 +77,13 @@ Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
 - D_v of 64, 128 or 256.
 - D_qk a power of two, or the sum of two: 192 = 128 + 64 takes two TMA blocks and two chained wgmmas.
+- ``ODD_WIDTHS`` (off by default; session 32, compiled for sm_90a but not yet run on a GPU): both head widths
+  split into two power-of-two TMA blocks of at least 16 columns, the second padded by up to 8 columns past the
+  row's end, which TMA fills with zeros on loads and clips on stores (Dqk 72 = 64 + 16 - 8, 40 = 32 + 16 - 8).
+  A split value head runs two accumulators and two P V wgmma groups (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32):
+  Gluon tensors are powers of two, so one 80-wide accumulator cannot be written. Padded heads are read
+  head-major (a token-major row would run into the next head's columns, not zeros). Not in the persistent
+  schedule.
 - Any M and N, causal bottom-right or not, GQA.
 Everything else stays on the Triton kernel.
 """
@@ -490,25 +497,30 @@ if AVAILABLE:
                         p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE,
+                            acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                         p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j + 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE,
+                            acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                     if j_split % 2 == 1:
                         p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j_split - 1, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                             bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero,
-                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                            dtype, row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, False, TR, tr_on,
+                            TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                     for j in range(j_split, n_tiles - 2):
                         p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                             j, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem, bars,
                             k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                            row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, True, CAUSAL, TR, tr_on, TRACE,
+                            acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                     p_op, alpha, s, acc, acc1, m_i, l_i = _overlap_step(
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
-                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE, acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                        row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE,
+                            acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                 # P V of the last tile (acc already rescaled by its alpha).
                 acc, acc1 = _pv(p_op, v_smem, v1_smem, (n_tiles - 1) % STAGES, acc, acc1, p1_layout, SPLIT_V)
                 acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
@@ -1123,7 +1135,8 @@ class DescPlan:
         # sources: the first call's 2-D views of the inputs, then of any outputs (a replay takes the outputs
         # as they are: only their data pointers are read)
         # token_major: one flag for every input, or one each (the forward reads a padded head dim head-major)
-        self.token_major = tuple(token_major) if isinstance(token_major, (tuple, list)) else (token_major,) * len(inputs)
+        self.token_major = (tuple(token_major) if isinstance(token_major, (tuple, list))
+                            else (token_major,) * len(inputs))
         self.el = el
         self.copies = tuple(s.data_ptr() != t.data_ptr() for t, s in zip(inputs, sources))
         self.sources, self.order, self.launch, self.counter = sources, [], None, False
