@@ -735,31 +735,32 @@ def bench_odd_widths(out=None, rounds=3):
 
 
 def bench_gluon_odd(out=None, rounds=3):
-    """Forward and fwd+bwd through the public op at the odd head widths, the forward on the Triton kernel
-    (``gluon_fwd.ODD_WIDTHS`` off, the default) or on the Gluon kernel (on: Dqk / Dv split into TMA blocks of
-    powers of two, a padded tail zero-filled, two value accumulators), against SDPA; the backward is the same
-    either way. ``rounds`` rounds, the order rotated each round, medians kept."""
-    from mla_attn.ops.attention import gluon_fwd
+    """Forward and fwd+bwd through the public op at the odd head widths: on the Triton kernels (the default),
+    with the forward on Gluon (``gluon_fwd.ODD_WIDTHS``: Dqk / Dv split into power-of-two TMA blocks, a padded
+    tail zero-filled, two value accumulators), and with the dK/dV pass on Gluon too (``gluon_bwd.DKDV_ODD``, Dv
+    up to 128), against SDPA. ``rounds`` rounds, the order rotated each round, medians kept."""
+    from mla_attn.ops.attention import gluon_bwd, gluon_fwd
 
     lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal, "
-             "[B, H, L, D] inputs; 'tiles': how ODD_WIDTHS splits Dqk / Dv (a '-p' tail has p padding columns); "
-             "TF/s, medians", "",
+             "[B, H, L, D] inputs; 'tiles': how the switches split Dqk / Dv (a '-p' tail has p padding columns); "
+             "'triton': both switches off (the default), 'fwd': ODD_WIDTHS on, 'fwd+dkdv': DKDV_ODD on too "
+             "(where the dK/dV pass takes the widths); TF/s, medians", "",
              "| B | Hq/Hkv | L | Dqk/Dv | tiles | fwd: triton | gluon | SDPA | gluon / triton | gluon / SDPA | "
-             "fwd+bwd: triton | gluon | SDPA | gluon / triton | gluon / SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd+bwd: triton | fwd | fwd+dkdv | SDPA | best / triton | best / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def tiles(d):
         d0, d1, pad = gluon_fwd._split_padded(d)
         return str(d0) + (f"+{d1}" if d1 else "") + (f"-{pad}" if pad else "")
 
-    old = gluon_fwd.ODD_WIDTHS
+    old = gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD
     try:
         for row in ODD_WIDTH_ROWS:
             scale, flops, q, k, v, do = _train_row(*row)
 
-            def ours(odd, grad):
+            def ours(flags, grad):
                 def run():
-                    gluon_fwd.ODD_WIDTHS = odd
+                    gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = flags
                     if grad:
                         _ours(q, k, v, scale).backward(do)
                     else:
@@ -771,22 +772,27 @@ def bench_gluon_odd(out=None, rounds=3):
                 with torch.no_grad():
                     _sdpa(q, k, v, scale)
 
-            cells = []
-            for grad in (False, True):
-                cands = {"triton": ours(False, grad), "gluon": ours(True, grad),
-                         "sdpa": (lambda: _sdpa(q, k, v, scale).backward(do)) if grad else sdpa_fwd}
-                f = flops if grad else flops / 3.5
-                tf = {nm: f / (t * 1e-3) / 1e12
-                      for nm, t in _rotated_medians(cands, rounds, [q, k, v] if grad else None).items()}
-                cells += [f"{tf['triton']:.0f}", f"{tf['gluon']:.0f}", f"{tf['sdpa']:.0f}",
-                          f"{tf['gluon'] / tf['triton']:.2f}", f"{tf['gluon'] / tf['sdpa']:.2f}"]
+            gluon_bwd.DKDV_ODD = True
+            dkdv_takes = gluon_bwd.supported(q, k, v)
+            fwd = {"triton": ours((False, False), False), "gluon": ours((True, False), False), "sdpa": sdpa_fwd}
+            bwd = {"triton": ours((False, False), True), "fwd": ours((True, False), True),
+                   "sdpa": lambda: _sdpa(q, k, v, scale).backward(do)}
+            if dkdv_takes:
+                bwd["fwd+dkdv"] = ours((True, True), True)
+            tf = {nm: flops / 3.5 / (t * 1e-3) / 1e12 for nm, t in _rotated_medians(fwd, rounds).items()}
+            tb = {nm: flops / (t * 1e-3) / 1e12 for nm, t in _rotated_medians(bwd, rounds, [q, k, v]).items()}
+            best = max(tb["fwd"], tb.get("fwd+dkdv", 0.0))
             b, hq, hkv, n, dqk, dv = row
-            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {tiles(dqk)} / {tiles(dv)} | " + " | ".join(cells)
-                         + " |")
+            cells = [str(b), f"{hq}/{hkv}", str(n), f"{dqk}/{dv}", f"{tiles(dqk)} / {tiles(dv)}",
+                     f"{tf['triton']:.0f}", f"{tf['gluon']:.0f}", f"{tf['sdpa']:.0f}",
+                     f"{tf['gluon'] / tf['triton']:.2f}", f"{tf['gluon'] / tf['sdpa']:.2f}",
+                     f"{tb['triton']:.0f}", f"{tb['fwd']:.0f}", f"{tb['fwd+dkdv']:.0f}" if dkdv_takes else "-",
+                     f"{tb['sdpa']:.0f}", f"{best / tb['triton']:.2f}", f"{best / tb['sdpa']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     finally:
-        gluon_fwd.ODD_WIDTHS = old
+        gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = old
     _write_table(out, lines)
 
 
@@ -818,8 +824,8 @@ def main(argv=None):
                     help="only: time the experimental persistent schedule of the Gluon forward")
     ap.add_argument("--gluon-pair", metavar="OUT", help="only: time head pairs in the Gluon forward (GQA rows)")
     ap.add_argument("--gqa-sweep", metavar="OUT", help="only: the main table on GQA groups up to MQA and odd head widths")
-    ap.add_argument("--gluon-odd", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths, the forward on Triton "
-                    "or on Gluon (gluon_fwd.ODD_WIDTHS), against SDPA")
+    ap.add_argument("--gluon-odd", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths, on Triton or with the "
+                    "forward and the dK/dV pass on Gluon (gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD), against SDPA")
     ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths: before / stride units / units + value split")
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")

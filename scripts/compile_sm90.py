@@ -259,17 +259,26 @@ def main():
 
         from mla_attn.ops.attention.gluon_bwd import _dkdv_gluon, _dq_gluon
         fn = _dkdv_gluon if args.kernel == "gluon_dkdv" else _dq_gluon
-        from mla_attn.ops.attention.gluon_fwd import _split_head_dim
+        from mla_attn.ops.attention.gluon_fwd import _split_padded
 
         def desc(rows, cols):
             return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
 
-        d0, d1 = _split_head_dim(args.dqk)
-        ptrs = {"q_desc": desc(a, d0), "q1_desc": desc(a, d1 or d0), "do_desc": desc(a, args.dv),
-                "k_desc": desc(b, d0), "k1_desc": desc(b, d1 or d0), "v_desc": desc(b, args.dv),
+        # widths as DKDV_ODD splits them (the same as the default's where that takes them; dQ: Dv one block)
+        d0, d1, qk_pad = _split_padded(args.dqk)
+        dv0, dv1, v_pad = _split_padded(args.dv) if args.kernel == "gluon_dkdv" else (args.dv, 0, 0)
+        ptrs = {"q_desc": desc(a, d0), "q1_desc": desc(a, d1 or d0), "do_desc": desc(a, dv0),
+                "k_desc": desc(b, d0), "k1_desc": desc(b, d1 or d0), "v_desc": desc(b, dv0),
                 "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16"}
-        const = dict(D_QK0=d0, D_QK1=d1, D_V=args.dv, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
+        const = dict(D_QK0=d0, D_QK1=d1, D_V=dv0, BLOCK_M=a, BLOCK_N=b, STAGES=stages, CAUSAL=not args.full,
                      num_warps=warps)
+        if args.kernel == "gluon_dkdv":
+            const["D_V1"] = dv1
+            if dv1:
+                ptrs.update(v1_desc=desc(b, dv1), do1_desc=desc(a, dv1))
+            else:
+                const.update(v1_desc=None, do1_desc=None)
+            const.update(DQK_W=args.dqk if qk_pad else 0, DV_W=args.dv if v_pad else 0)
         if args.kernel == "gluon_dkdv" and not d1:  # as the launcher: no second-half descriptors
             del ptrs["q1_desc"], ptrs["k1_desc"]
             const.update(q1_desc=None, k1_desc=None)
@@ -278,7 +287,7 @@ def main():
             const["FRESH_DESC"] = args.fresh_desc
             const["HSPLIT"] = args.hsplit
             if args.tma_store:  # dK and dV out by TMA from buffers of their own
-                ptrs.update(dk_desc=desc(b, d0), dv_desc=desc(b, args.dv))
+                ptrs.update(dk_desc=desc(b, d0), dv_desc=desc(b, dv0))
                 if d1:
                     ptrs["dk1_desc"] = desc(b, d1)
                 else:

@@ -847,3 +847,48 @@ def test_gluon_forward_odd_widths_through_the_op(case, monkeypatch):
     monkeypatch.setattr(gluon_fwd, "flash_fwd_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls
+
+
+# DKDV_ODD: the dK/dV pass at the odd widths (Dv up to 128 in all): Dqk / Dv as two blocks, a padded block's
+# columns TMA's zeros, dP^T from two chained wgmmas, dV in two accumulators, stores masked to the real widths.
+ODD_BWD_CASES = [c for c in ODD_CASES if c[6] <= 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", ODD_BWD_CASES, ids=_ODD_ID)
+def test_gluon_dkdv_odd_widths_match_oracle(case, monkeypatch):
+    """Forward and backward through the public op with ODD_WIDTHS and DKDV_ODD on, into NaN-poisoned outputs and
+    gradients: the Gluon dK/dV pass runs, and o, lse and all three gradients match the float64 oracle within
+    test_attention_triton's bounds (2x PyTorch's own bf16 error)."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    _poison_outputs(monkeypatch)
+    calls = []
+    real = gluon_bwd.dkdv_gluon
+    monkeypatch.setattr(gluon_bwd, "dkdv_gluon", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", [ODD_CASES[1], ODD_CASES[7], ODD_CASES[9]], ids=_ODD_ID)
+def test_gluon_odd_widths_token_major_through_the_op(case, monkeypatch):
+    """The layers' layout ([B, L, H, D] seen through transposes) at odd widths, both passes on Gluon: the
+    token-major test's checks (a padded head read from a head-major copy, an exact one in place)."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    test_token_major_through_the_op(case, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("hsplit", [2, 4])
+def test_gluon_dkdv_odd_widths_heads_split(hsplit, monkeypatch):
+    """The heads split with a value tail: float32 parts (poisoned buffers) written at the real widths and added."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_HSPLIT", str(hsplit))
+    _poison_outputs(monkeypatch)
+    _check_fwd_bwd(1, 8, 1, 300, 333, 72, 80, True, torch.bfloat16, device="cuda", strided=False)

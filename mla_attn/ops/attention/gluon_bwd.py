@@ -50,7 +50,7 @@ import torch
 from .._common import is_hopper
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, tensor_key
-from .gluon_fwd import _SMEM_BYTES, DescPlan, _desc, _num_sms, _split_head_dim, _tma_ready, _tma_view
+from .gluon_fwd import _SMEM_BYTES, DescPlan, _desc, _num_sms, _split_head_dim, _split_padded, _tma_ready, _tma_view
 
 try:
     from triton.experimental import gluon
@@ -86,6 +86,10 @@ DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
 # dividing the group) that give two programs an SM; "0": never; an integer: that many parts wherever it
 # divides the group. MLA_ATTN_GLUON_DKDV_HSPLIT overrides.
 DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
+# Odd head widths in the dK/dV pass, as ``gluon_fwd.ODD_WIDTHS`` in the forward (``_split_padded``): Dqk 72 as
+# 64 + 16 with 8 columns of TMA's zeros, Dv 80 / 96 as two blocks (dP^T from two chained wgmmas, dV in two
+# accumulators), Dv up to 128 in all. Off by default until it has run on a GPU; MLA_ATTN_GLUON_DKDV_ODD=1.
+DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "0") == "1"
 
 if AVAILABLE:
     from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward
@@ -93,11 +97,12 @@ if AVAILABLE:
     @gluon.jit
     def _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t, n_rt, rt0, M, H, i_b, i_hk,
                    GROUP_N, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr,
-                   SPLIT: gl.constexpr, n_tiles, lay, TOKEN_MAJOR: gl.constexpr):
+                   SPLIT: gl.constexpr, n_tiles, lay, TOKEN_MAJOR: gl.constexpr, do1_desc=None, do1_smem=None,
+                   D_V0: gl.constexpr = 0, SPLIT_V: gl.constexpr = False):
         """Start the TMA loads of flat row tile t (query head g = t // n_rt of the group, row tile
         rt0 + t % n_rt) into ring stage t % STAGES; a no-op past the last tile. TOKEN_MAJOR: lay = (row
         stride per batch, per head, column stride per head) of q's and dO's 2-D views, as in
-        gluon_fwd._tma_view."""
+        gluon_fwd._tma_view. SPLIT_V: dO's columns past D_V0 too, into do1_smem."""
         stage = t % STAGES
         pred = t < n_tiles
         g = t // gl.maximum(n_rt, 1)
@@ -114,15 +119,22 @@ if AVAILABLE:
             do_row = row
             do_col = 0
         bar = bars.index(stage)
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         if SPLIT:
-            mbarrier.expect(bar, q_desc.block_type.nbytes + q1_desc.block_type.nbytes + do_desc.block_type.nbytes,
-                            pred=pred)
+            if SPLIT_V:
+                mbarrier.expect(bar, nbytes + q1_desc.block_type.nbytes + do1_desc.block_type.nbytes, pred=pred)
+            else:
+                mbarrier.expect(bar, nbytes + q1_desc.block_type.nbytes, pred=pred)
+        elif SPLIT_V:
+            mbarrier.expect(bar, nbytes + do1_desc.block_type.nbytes, pred=pred)
         else:
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+            mbarrier.expect(bar, nbytes, pred=pred)
         _tma_load(q_desc, [row, col], bar, q_smem.index(stage), pred=pred)
         if SPLIT:
             _tma_load(q1_desc, [row, col + D_QK0], bar, q1_smem.index(stage), pred=pred)
         _tma_load(do_desc, [do_row, do_col], bar, do_smem.index(stage), pred=pred)
+        if SPLIT_V:
+            _tma_load(do1_desc, [do_row, do_col + D_V0], bar, do1_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _dkdv_gluon(
@@ -133,7 +145,12 @@ if AVAILABLE:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, TOKEN_MAJOR: gl.constexpr, num_warps: gl.constexpr,
         dk_desc=None, dk1_desc=None, dv_desc=None, TMA_STORE: gl.constexpr = False,
         FRESH_DESC: gl.constexpr = False, HSPLIT: gl.constexpr = 1,
+        v1_desc=None, do1_desc=None, D_V1: gl.constexpr = 0, DQK_W: gl.constexpr = 0, DV_W: gl.constexpr = 0,
     ):
+        # DKDV_ODD (D_V1 > 0, or padded blocks): Dv = D_V + D_V1 as two blocks (V / dO in two buffers, dP^T from two
+        # chained wgmmas, dV in two accumulators); DQK_W / DV_W: the real row widths of dK / dV when their last block
+        # is padded past the row's end (TMA's zeros on loads; the stores are masked), else 0 (the blocks' sum).
+        # Not with TMA_STORE or FRESH_DESC (the launcher does not ask for them).
         # FRESH_DESC: K and V (single buffers) indexed in the loop by t * 0 with the 0 unknown to the compiler
         # (program_id(2) of a 1-deep grid), so that their wgmma descriptors are recomputed each step instead of
         # held across the loop (gluon_bwd_fused.py: that took its spills from 324 bytes to none).
@@ -177,6 +194,7 @@ if AVAILABLE:
         dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                             instr_shape=[16, D_V, 16])
         SPLIT: gl.constexpr = D_QK1 > 0
+        SPLIT_V: gl.constexpr = D_V1 > 0
         dtype: gl.constexpr = q_desc.dtype
 
         if FRESH_DESC:
@@ -189,6 +207,12 @@ if AVAILABLE:
             v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_QK0], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V], do_desc.layout)
+        if SPLIT_V:
+            v1_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D_V1], v1_desc.layout)
+            do1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D_V1], do1_desc.layout)
+        else:
+            v1_smem = v_smem
+            do1_smem = do_smem
         if SPLIT:
             if FRESH_DESC:
                 k1_buf = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D_QK1], k1_desc.layout)
@@ -221,16 +245,25 @@ if AVAILABLE:
         n_rt = n_rows_tiles - rt0
         n_tiles = GROUP_N * n_rt
 
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         if SPLIT:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + k1_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            if SPLIT_V:
+                mbarrier.expect(kv_bar, kv_bytes + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(kv_bar, kv_bytes + k1_desc.block_type.nbytes)
             _tma_load(k1_desc, [kv_row0, k_col0 + D_QK0], kv_bar, k1_smem)
+        elif SPLIT_V:
+            mbarrier.expect(kv_bar, kv_bytes + v1_desc.block_type.nbytes)
         else:
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            mbarrier.expect(kv_bar, kv_bytes)
         _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
         _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
+        if SPLIT_V:
+            _tma_load(v1_desc, [v_row0, v_col0 + D_V], kv_bar, v1_smem)
         for i in gl.static_range(STAGES):
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, i, n_rt, rt0, M, H, i_b, i_hq,
-                       GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
+                       GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR, do1_desc, do1_smem, D_V,
+                       SPLIT_V)
 
         dk = gl.zeros([BLOCK_N, D_QK0], gl.float32, layout=dk_layout)
         if SPLIT:
@@ -240,6 +273,13 @@ if AVAILABLE:
         else:
             dk1 = dk
         dv = gl.zeros([BLOCK_N, D_V], gl.float32, layout=dv_layout)
+        if SPLIT_V:
+            dv1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, D_V1, 16])
+            dv1 = gl.zeros([BLOCK_N, D_V1], gl.float32, layout=dv1_layout)
+            pa1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv1_layout, k_width=2)
+        else:
+            dv1 = 0
         st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
         pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         dsa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
@@ -270,24 +310,35 @@ if AVAILABLE:
                 s_t = warpgroup_mma(k1_smem, q1_smem.index(stage).permute((1, 0)), s_t, is_async=True)
             dp_t = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), st_zero, use_acc=False,
                                  is_async=True)
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+            if SPLIT_V:  # dP^T over the value head's second block, chained
+                dp_t = warpgroup_mma(v1_smem, do1_smem.index(stage).permute((1, 0)), dp_t, is_async=True)
+            s_t = warpgroup_mma_wait(num_outstanding=2 if SPLIT_V else 1, deps=(s_t,))
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
             if CAUSAL:  # key j is visible to row i iff j <= i + shift
                 p_t = gl.where(o_key[:, None] <= (o_row + shift)[None, :], p_t, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), pa_layout), do_smem.index(stage), dv, is_async=True)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+            p_op = gl.convert_layout(p_t.to(dtype), pa_layout)
+            dv = warpgroup_mma(p_op, do_smem.index(stage), dv, is_async=True)
+            if SPLIT_V:
+                dv1 = warpgroup_mma(gl.convert_layout(p_op, pa1_layout), do1_smem.index(stage), dv1, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=2 if SPLIT_V else 1, deps=(dp_t,))
             ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_t, dsa_layout), q_smem.index(stage), dk, is_async=True)
             if SPLIT:
                 dk1_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk1_layout, k_width=2)
                 dk1 = warpgroup_mma(gl.convert_layout(ds_t, dk1_a), q1_smem.index(stage), dk1, is_async=True)
-                dv, dk, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dk1))
+                if SPLIT_V:
+                    dv, dv1, dk, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dv1, dk, dk1))
+                else:
+                    dv, dk, dk1 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dk1))
+            elif SPLIT_V:
+                dv, dv1, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dv1, dk))
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             # Both warpgroups are done with this stage once every thread passes here: refill it.
             _thread_barrier()
             _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t + STAGES, n_rt, rt0, M, H, i_b,
-                       i_hq, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR)
+                       i_hq, GROUP_N, BLOCK_M, STAGES, D_QK0, SPLIT, n_tiles, lay, TOKEN_MAJOR, do1_desc, do1_smem,
+                       D_V, SPLIT_V)
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
@@ -309,20 +360,26 @@ if AVAILABLE:
                 tma.store_wait(0)
             else:
                 _store_dkdv(dk, dk1, dv, DK, DV, pid_bh, n0, N, scale, dk_layout, dv_layout, BLOCK_N, D_QK0, D_QK1,
-                            D_V, SPLIT, num_warps)
+                            D_V, SPLIT, num_warps, dv1, D_V1, DQK_W, DV_W)
         else:
             _store_dkdv(dk, dk1, dv, DK, DV, pid_bh, n0, N, scale, dk_layout, dv_layout, BLOCK_N, D_QK0, D_QK1, D_V,
-                        SPLIT, num_warps)
+                        SPLIT, num_warps, dv1, D_V1, DQK_W, DV_W)
 
     @gluon.jit
     def _store_dkdv(dk, dk1, dv, DK, DV, pid_bh, n0, N, scale, dk_layout: gl.constexpr, dv_layout: gl.constexpr,
                     BLOCK_N: gl.constexpr, D_QK0: gl.constexpr, D_QK1: gl.constexpr, D_V: gl.constexpr,
-                    SPLIT: gl.constexpr, num_warps: gl.constexpr):
-        """dK (scaled) and dV of keys n0 .. n0 + BLOCK_N stored straight from the accumulators, keys >= N left out."""
+                    SPLIT: gl.constexpr, num_warps: gl.constexpr, dv1=0, D_V1: gl.constexpr = 0,
+                    DQK_W: gl.constexpr = 0, DV_W: gl.constexpr = 0):
+        """dK (scaled) and dV of keys n0 .. n0 + BLOCK_N stored straight from the accumulators, keys >= N left out.
+        D_V1 > 0: dV's columns D_V.. are in dv1. DQK_W / DV_W (0: the blocks' sums): the rows' real widths, when a
+        last block is padded past them (its padding columns are not stored)."""
         base = pid_bh.to(gl.int64) * N
         o_nk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
         o_dk = gl.arange(0, D_QK0, layout=gl.SliceLayout(0, dk_layout))
-        d_qk: gl.constexpr = D_QK0 + D_QK1
+        if DQK_W > 0:
+            d_qk: gl.constexpr = DQK_W
+        else:
+            d_qk: gl.constexpr = D_QK0 + D_QK1
         p_dk = DK + (base + o_nk.to(gl.int64))[:, None] * d_qk + o_dk[None, :]
         gl.store(p_dk, (dk * scale).to(DK.dtype.element_ty), mask=(o_nk < N)[:, None])
         if SPLIT:
@@ -331,11 +388,29 @@ if AVAILABLE:
             o_nk1 = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk1_layout))
             o_dk1 = D_QK0 + gl.arange(0, D_QK1, layout=gl.SliceLayout(0, dk1_layout))
             p_dk1 = DK + (base + o_nk1.to(gl.int64))[:, None] * d_qk + o_dk1[None, :]
-            gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty), mask=(o_nk1 < N)[:, None])
+            if d_qk < D_QK0 + D_QK1:
+                gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty),
+                         mask=(o_nk1 < N)[:, None] & (o_dk1 < d_qk)[None, :])
+            else:
+                gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty), mask=(o_nk1 < N)[:, None])
+        if DV_W > 0:
+            d_v: gl.constexpr = DV_W
+        else:
+            d_v: gl.constexpr = D_V + D_V1
         o_nv = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
         o_dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, dv_layout))
-        p_dv = DV + (base + o_nv.to(gl.int64))[:, None] * D_V + o_dv[None, :]
+        p_dv = DV + (base + o_nv.to(gl.int64))[:, None] * d_v + o_dv[None, :]
         gl.store(p_dv, dv.to(DV.dtype.element_ty), mask=(o_nv < N)[:, None])
+        if D_V1 > 0:
+            dv1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, D_V1, 16])
+            o_nv1 = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv1_layout))
+            o_dv1 = D_V + gl.arange(0, D_V1, layout=gl.SliceLayout(0, dv1_layout))
+            p_dv1 = DV + (base + o_nv1.to(gl.int64))[:, None] * d_v + o_dv1[None, :]
+            if d_v < D_V + D_V1:
+                gl.store(p_dv1, dv1.to(DV.dtype.element_ty), mask=(o_nv1 < N)[:, None] & (o_dv1 < d_v)[None, :])
+            else:
+                gl.store(p_dv1, dv1.to(DV.dtype.element_ty), mask=(o_nv1 < N)[:, None])
 
 
 if AVAILABLE:
@@ -486,9 +561,15 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         _warn_untested()
         return False
     d_qk, d_v = q.shape[-1], v.shape[-1]
+    if not (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+            and q.shape[1] % k.shape[1] == 0):
+        return False
+    if DKDV_ODD:  # registers: dK and dV accumulate 128 keys each, Dqk and Dv columns
+        split, vsplit = _split_padded(d_qk), _split_padded(d_v)
+        return (split is not None and split[0] <= 128 and vsplit is not None and vsplit[0] + vsplit[1] <= 128
+                and split[0] + split[1] <= 192)
     split = _split_head_dim(d_qk)
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
-            and split is not None and split[0] <= 128 and d_v in (64, 128) and q.shape[1] % k.shape[1] == 0)
+    return split is not None and split[0] <= 128 and d_v in (64, 128)
 
 
 # (rows a step, ring stages) when dkdv_gluon is not told; None: by head width (see _tiles).
@@ -554,7 +635,7 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     if _fast.enabled() and (block_m, block_n, stages, num_warps, hsplit) == _DKDV_DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
                tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES,
-               DKDV_HSPLIT)
+               DKDV_HSPLIT, DKDV_ODD)
         plan = _plans.get(key)
         if plan is not None:
             plan.launch(*plan.values((q, do, k, v, out_k, out_v), _dkdv_named(lse, delta, out_k, out_v, scale)))
@@ -565,25 +646,37 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     stages = _tiles(d_qk)[1] if stages is None else stages
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    d0, d1 = _split_head_dim(d_qk)
-    views = [_tma_view(t, token_major) for t in (q, do, k, v)]
+    d0, d1, qk_pad = _split_padded(d_qk) if DKDV_ODD else _split_head_dim(d_qk) + (0,)
+    dv0, dv1, v_pad = _split_padded(d_v) if DKDV_ODD else (d_v, 0, 0)
+    # A padded block's columns past the row's end must be TMA's zeros (S^T and dP^T must not see them): those
+    # tensors are read head-major (gluon_fwd.flash_fwd_gluon does the same).
+    majors = (token_major and not qk_pad, token_major and not v_pad, token_major and not qk_pad,
+              token_major and not v_pad)
+    views = [_tma_view(t, major) for t, major in zip((q, do, k, v), majors)]
     (q2, *_), (do2, *_), (k2, *_), (v2, *_) = views
     lay = [x for vw in views for x in vw[1:]]  # (RB, RH, CH) of q, do, k, v
     # Descriptor sources: 0 q, 1 do, 2 k, 3 v, then dk and dv seen as [B * HK * N, D] (same data pointers).
-    plan = DescPlan(token_major, (q, do, k, v), (q2, do2, k2, v2, out_k.view(-1, d_qk), out_v.view(-1, d_v)), el)
+    plan = DescPlan(majors, (q, do, k, v), (q2, do2, k2, v2, out_k.view(-1, d_qk), out_v.view(-1, d_v)), el)
     desc = plan.desc
-    q_desc, do_desc = desc(0, block_m, d0), desc(1, block_m, d_v)
-    k_desc, v_desc = desc(2, block_n, d0), desc(3, block_n, d_v)
+    q_desc, do_desc = desc(0, block_m, d0), desc(1, block_m, dv0)
+    k_desc, v_desc = desc(2, block_n, d0), desc(3, block_n, dv0)
     q1_desc, k1_desc = (desc(0, block_m, d1), desc(2, block_n, d1)) if d1 else (None, None)  # as the forward
+    odd = {}
+    if dv1:
+        odd.update(v1_desc=desc(3, block_n, dv1), do1_desc=desc(1, block_m, dv1), D_V1=dv1)
+    if qk_pad:
+        odd["DQK_W"] = d_qk
+    if v_pad:
+        odd["DV_W"] = d_v
     grid = ((n + block_n - 1) // block_n, b * hk * hs)
     # Shared memory with dK/dV's own buffers: K, V and their output buffers, and the Q / dO ring.
     smem = 2 * (2 * block_n * (d0 + d1 + d_v) + stages * block_m * (d0 + d1 + d_v))
     extra = {}
-    tma_store = hs == 1 and (DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1))
+    tma_store = hs == 1 and (DKDV_TMA_STORE == "1" or (DKDV_TMA_STORE == "auto" and not d1)) and not odd
     if tma_store and smem <= _SMEM_BYTES and dk.data_ptr() % 16 == 0 and dv.data_ptr() % 16 == 0:
         extra = {"dk_desc": desc(4, block_n, d0), "dk1_desc": desc(4, block_n, d1) if d1 else None,
                  "dv_desc": desc(5, block_n, d_v), "TMA_STORE": True}
-    if DKDV_FRESH_DESC == "1":
+    if DKDV_FRESH_DESC == "1" and not odd:  # (no second value block in FRESH_DESC's buffers)
         extra["FRESH_DESC"] = True
         grid = grid + (1,)  # program_id(2): the kernel's 0 that the compiler cannot see
     if hs > 1:
@@ -591,8 +684,8 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     plan.launch = Launch(_dkdv_gluon, grid, (
         q_desc, q1_desc, k_desc, k1_desc, v_desc, do_desc, plan.slot("lse"), plan.slot("delta"), plan.slot("dk"),
         plan.slot("dv"), plan.slot("scale2"), plan.slot("scale"), m, n, h, hk, h // hk // hs, *lay,
-    ), dict(D_QK0=d0, D_QK1=d1, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-            TOKEN_MAJOR=any(vw[3] for vw in views), **extra), {"num_warps": num_warps})
+    ), dict(D_QK0=d0, D_QK1=d1, D_V=dv0, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+            TOKEN_MAJOR=any(vw[3] for vw in views), **extra, **odd), {"num_warps": num_warps})
     plan.launch(*plan.values((q, do, k, v, out_k, out_v), _dkdv_named(lse, delta, out_k, out_v, scale)))
     if hs > 1:
         _add_parts((out_k, out_v), (dk, dv), hs)

@@ -471,7 +471,7 @@ def flash_attn_bwd(
         key = (tensor_key(do), tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(o), tensor_key(lse),
                tensor_key(dlse), bool(causal), dot_precision(q.dtype), GLUON_DKDV, GLUON_DQ, GLUON_TOKEN_MAJOR,
                SIDE_STREAM_DQ, SIDE_STREAM_MIN_WORK, getattr(sys.modules.get(_FUSED), "FUSED_BWD", None),
-               triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT)
+               triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT, getattr(sys.modules.get(_GLUON_BWD), "DKDV_ODD", None))
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(do, q, k, v, o, lse, dlse, scale)
@@ -640,3 +640,4 @@ class _BwdPlan:
 # flash_attn_bwd's plans by call key; cleared by the tests around each test (tests/conftest.py).
 _plans = PlanCache()
 _FUSED = __name__.rsplit(".", 1)[0] + ".gluon_bwd_fused"  # its FUSED_BWD switch is in the key, once imported
+_GLUON_BWD = __name__.rsplit(".", 1)[0] + ".gluon_bwd"  # its DKDV_ODD switch too
