@@ -13,8 +13,9 @@
 #     the decode's stride units (GQA d 72): tests, bench
 #   ONLY=decodeodd bash scripts/gpu_check.sh [OUTDIR]   the Triton decode at GQA widths 72/80/96/160 (stride
 #     units, head split, tiles across pages): its GPU tests, the odd-widths decode bench, paged 64 variants
-#   ONLY=gluonodd bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward at odd head widths (ODD_WIDTHS: 72, 80, 96,
-#     40, 160 as power-of-two TMA blocks, two value accumulators): its GPU tests, then fwd / fwd+bwd against Triton and SDPA
+#   ONLY=gluonodd bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward and dK/dV pass at odd head widths (ODD_WIDTHS,
+#     DKDV_ODD: 72, 80, 96, 40, 160 as power-of-two TMA blocks, two value accumulators): their GPU tests
+#   ONLY=gluonoddbench bash scripts/gpu_check.sh [OUTDIR]   fwd / fwd+bwd at odd widths, Triton / Gluon / SDPA
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -100,10 +101,14 @@ if [ "${ONLY:-}" = odd ] || [ "${ONLY:-}" = decodeodd ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = gluonodd ]; then
-  # Session 32: the Gluon forward at odd head widths (gluon_fwd.ODD_WIDTHS, off by default): its GPU tests, then
-  # fwd and fwd+bwd with the forward on Triton or on Gluon, against SDPA.
-  step "gluon forward GPU tests: odd widths" "$(lim 300)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'odd' 2>&1 | tee '$out/gpu_gluonodd_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  step "bench gluon odd widths" "$(lim 240)" $PY scripts/bench_attention.py --gluon-odd "$out/bench_gluon_odd.md"
+  # Session 32: the Gluon forward and dK/dV pass at odd head widths (gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD, off
+  # by default): their GPU tests (ONLY=gluonoddbench: the bench, fwd and fwd+bwd on Triton / Gluon against SDPA).
+  step "gluon GPU tests: odd widths" "$(lim 500)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_attention_gluon.py -k 'odd' 2>&1 | tee '$out/gpu_gluonodd_tests.log' | tail -40; exit \${PIPESTATUS[0]}"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = gluonoddbench ]; then
+  step "bench gluon odd widths" "$(lim 300)" $PY scripts/bench_attention.py --gluon-odd "$out/bench_gluon_odd.md"
   echo "gpu_check status: $status"
   exit $status
 fi
