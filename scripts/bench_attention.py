@@ -665,6 +665,27 @@ def bench_hsplit(out=None, rounds=3):
     _write_table(out, lines)
 
 
+def _switched_call(set_flags, flags, q, k, v, do, scale, grad):
+    """A call through the public op after ``set_flags(flags)``: the forward (no grad), or with ``grad`` forward and
+    backward of dO."""
+    def run():
+        set_flags(flags)
+        if grad:
+            _ours(q, k, v, scale).backward(do)
+        else:
+            with torch.no_grad():
+                _ours(q, k, v, scale)
+    return run
+
+
+def _sdpa_no_grad(q, k, v, scale):
+    """SDPA's forward alone (no autograd graph), as a callable."""
+    def run():
+        with torch.no_grad():
+            _sdpa(q, k, v, scale)
+    return run
+
+
 ODD_WIDTH_ROWS = [  # B, Hq, Hkv, L, Dqk, Dv: head widths of real models whose rows are not 16-element multiples or powers of two
     (4, 32, 32, 2048, 64, 64),     # for reference: the Gluon kernels
     (4, 32, 32, 2048, 40, 40),     # Stable Diffusion 1.5's first UNet stage
@@ -697,20 +718,13 @@ def bench_odd_widths(out=None, rounds=3):
             triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = True, True
             unit, tiles = triton_fwd.stride_unit(q, k, v), triton_fwd.split_value_dim(row[5])
 
+            def set_flags(flags):
+                triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = flags
+
             def ours(flags, grad):
-                def run():
-                    triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = flags
-                    if grad:
-                        _ours(q, k, v, scale).backward(do)
-                    else:
-                        with torch.no_grad():
-                            _ours(q, k, v, scale)
-                return run
+                return _switched_call(set_flags, flags, q, k, v, do, scale, grad)
 
-            def sdpa_fwd():
-                with torch.no_grad():
-                    _sdpa(q, k, v, scale)
-
+            sdpa_fwd = _sdpa_no_grad(q, k, v, scale)
             tf = {}
             for grad in (False, True):
                 cands = {nm: ours(flags, grad) for nm, flags in variants.items()}
@@ -758,20 +772,13 @@ def bench_gluon_odd(out=None, rounds=3):
         for row in ODD_WIDTH_ROWS:
             scale, flops, q, k, v, do = _train_row(*row)
 
+            def set_flags(flags):
+                gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = flags
+
             def ours(flags, grad):
-                def run():
-                    gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = flags
-                    if grad:
-                        _ours(q, k, v, scale).backward(do)
-                    else:
-                        with torch.no_grad():
-                            _ours(q, k, v, scale)
-                return run
+                return _switched_call(set_flags, flags, q, k, v, do, scale, grad)
 
-            def sdpa_fwd():
-                with torch.no_grad():
-                    _sdpa(q, k, v, scale)
-
+            sdpa_fwd = _sdpa_no_grad(q, k, v, scale)
             gluon_bwd.DKDV_ODD = True
             dkdv_takes = gluon_bwd.supported(q, k, v)
             fwd = {"triton": ours((False, False), False), "gluon": ours((True, False), False), "sdpa": sdpa_fwd}
