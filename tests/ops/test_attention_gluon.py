@@ -892,3 +892,30 @@ def test_gluon_dkdv_odd_widths_heads_split(hsplit, monkeypatch):
     monkeypatch.setattr(gluon_bwd, "DKDV_HSPLIT", str(hsplit))
     _poison_outputs(monkeypatch)
     _check_fwd_bwd(1, 8, 1, 300, 333, 72, 80, True, torch.bfloat16, device="cuda", strided=False)
+
+
+@pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+def test_desc_plan_reads_each_input_its_own_way():
+    """CPU: with one token-major flag an input (as the odd-width forward passes: padded q and k head-major, v
+    token-major), a replay copies q and k head-major again (their values, contiguous) and reads v in place; a
+    padded tail's descriptor keeps the row's real width (72), so TMA's bounds supply the zero columns."""
+    el = gluon_fwd.gl.bfloat16
+
+    def tensors():
+        q = torch.randn(2, 40, 3, 72).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(2, 30, 3, 72).to(torch.bfloat16).transpose(1, 2)
+        v = torch.randn(2, 30, 3, 80).to(torch.bfloat16).transpose(1, 2)
+        return q, k, v
+
+    majors = (False, False, True)
+    first = tensors()
+    views = [gluon_fwd._tma_view(t, m)[0] for t, m in zip(first, majors)]
+    plan = gluon_fwd.DescPlan(majors, first, views, el)
+    plan.desc(0, 64, 64), plan.desc(0, 64, 16), plan.desc(2, 64, 64), plan.desc(2, 64, 16)
+    assert plan.copies == (True, True, False)
+    plan.done()
+    new = tensors()
+    got = plan.values(new + (torch.empty(1),), {})
+    assert list(got[1].shape) == [2 * 3 * 40, 72] and list(got[1].block_shape) == [64, 16]
+    assert got[0].base.is_contiguous() and torch.equal(got[0].base.view(2, 3, 40, 72), new[0])
+    assert got[2].base.data_ptr() == new[2].data_ptr() and list(got[2].shape) == [2 * 30, 3 * 80]
