@@ -919,3 +919,90 @@ def test_desc_plan_reads_each_input_its_own_way():
     assert list(got[1].shape) == [2 * 3 * 40, 72] and list(got[1].block_shape) == [64, 16]
     assert got[0].base.is_contiguous() and torch.equal(got[0].base.view(2, 3, 40, 72), new[0])
     assert got[2].base.data_ptr() == new[2].data_ptr() and list(got[2].shape) == [2 * 30, 3 * 80]
+
+
+class _RecordedLaunch:
+    """Stands in for _launch.Launch on the CPU: keeps what would be launched, launches nothing."""
+    calls = []
+
+    def __init__(self, fn, grid, args, kwargs, options):
+        self.fn, self.grid, self.args, self.kwargs = fn, grid, args, kwargs
+
+    def __call__(self, *values):
+        from mla_attn.ops._launch import Slot
+
+        fill = lambda a: values[a.index] if isinstance(a, Slot) else a  # noqa: E731
+        _RecordedLaunch.calls.append(([fill(a) for a in self.args], {k: fill(a) for k, a in self.kwargs.items()}))
+
+
+def _host_only(monkeypatch, mod):
+    """mod's launcher runs its host side on the CPU: supported, the SM count and the launch faked."""
+    _RecordedLaunch.calls = []
+    monkeypatch.setattr(mod, "supported", lambda *a: True)
+    monkeypatch.setattr(mod, "Launch", _RecordedLaunch)
+    monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+
+
+@pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+@pytest.mark.parametrize("dqk, dv, tails", [(72, 72, (64, 16, 8, 64, 16, 8)), (80, 80, (64, 16, 0, 64, 16, 0)),
+                                            (192, 72, (128, 64, 0, 64, 16, 8)), (48, 32, (32, 16, 0, 32, 0, 0)),
+                                            (128, 128, (128, 0, 0, 128, 0, 0))])
+def test_gluon_forward_odd_widths_launch_arguments(dqk, dv, tails, monkeypatch):
+    """CPU, the forward's host side with ODD_WIDTHS on (the kernel faked): each width's blocks as constexprs, a
+    value tail's descriptor and real width, padded heads read from head-major copies (token-major otherwise), O
+    by TMA only where Q's buffers have O's block shapes, and the persistent schedule refused with a value tail."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    _host_only(monkeypatch, gluon_fwd)
+    d0, d1, qk_pad, dv0, dv1, v_pad = tails
+    b, h, hk, m, n = 2, 4, 2, 256, 256
+    q = torch.randn(b, m, h, dqk).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, n, hk, dqk).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(b, n, hk, dv).to(torch.bfloat16).transpose(1, 2)
+    gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=0.1, token_major=True)
+    (args, kw), = _RecordedLaunch.calls
+    assert (kw["D_QK0"], kw["D_QK1"], kw["D_V"]) == (d0, d1, dv0)
+    assert kw.get("D_V1", 0) == dv1 and kw.get("DV_TAIL", 0) == (dv1 - v_pad if dv1 else 0)
+    q_desc, v_desc = args[0], args[4]
+    assert list(q_desc.block_shape)[1] == d0 and list(v_desc.block_shape)[1] == dv0
+    if dv1:
+        assert list(kw["v1_desc"].block_shape) == [64, dv1] and list(kw["v1_desc"].shape)[-1] == (
+            dv if v_pad else hk * dv)
+    # q: a padded head is a head-major copy ([B * H * M, Dqk]); an exact one read in place ([B * M, H * Dqk])
+    assert list(q_desc.shape) == ([b * h * m, dqk] if qk_pad else [b * m, h * dqk])
+    assert q_desc.base.data_ptr() != q.data_ptr() if qk_pad else q_desc.base.data_ptr() == q.data_ptr()
+    assert kw.get("TMA_STORE", False) == (d0 == dv0 and (dv1 == 0 or d1 == dv1))
+    if kw.get("TMA_STORE") and dv1:
+        assert list(kw["o1_desc"].block_shape) == [64, dv1] and list(kw["o1_desc"].shape) == [b * h * m, dv]
+    assert ("PERSISTENT" in kw) == (dqk == dv == 128)  # "auto": d 128 only
+    if dv1:
+        with pytest.raises(ValueError, match="persistent"):
+            gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=0.1, persistent=True)
+
+
+@pytest.mark.skipif(not gluon_bwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+@pytest.mark.parametrize("dqk, dv", [(72, 72), (80, 80), (72, 80), (128, 128)])
+def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, monkeypatch):
+    """CPU, the dK/dV pass's host side with DKDV_ODD on (the kernel faked): the value head's blocks, dO's and V's
+    tail descriptors, the real widths for the masked stores, no TMA stores with odd widths, padded tensors
+    read head-major."""
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    _host_only(monkeypatch, gluon_bwd)
+    b, h, hk, m, n = 1, 4, 2, 200, 200
+    q = torch.randn(b, m, h, dqk).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(b, n, hk, dqk).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(b, n, hk, dv).to(torch.bfloat16).transpose(1, 2)
+    do = torch.randn(b, m, h, dv).to(torch.bfloat16).transpose(1, 2)
+    lse, delta = torch.zeros(b, h, m), torch.zeros(b, h, m)
+    dk, dv_ = torch.empty(b, hk, n, dqk, dtype=torch.bfloat16), torch.empty(b, hk, n, dv, dtype=torch.bfloat16)
+    gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv_, causal=True, scale=0.1, token_major=True, hsplit=1)
+    (args, kw), = _RecordedLaunch.calls
+    d0, d1, qk_pad = gluon_fwd._split_padded(dqk)
+    dv0, dv1, v_pad = gluon_fwd._split_padded(dv)
+    assert (kw["D_QK0"], kw["D_QK1"], kw["D_V"], kw.get("D_V1", 0)) == (d0, d1, dv0, dv1)
+    assert kw.get("DQK_W", 0) == (dqk if qk_pad else 0) and kw.get("DV_W", 0) == (dv if v_pad else 0)
+    odd = bool(dv1 or qk_pad or v_pad)
+    assert "TMA_STORE" not in kw if odd else kw.get("TMA_STORE") is True
+    if dv1:
+        assert list(kw["v1_desc"].block_shape) == [128, dv1] and list(kw["do1_desc"].block_shape)[1] == dv1
+    q_desc = args[0]
+    assert list(q_desc.shape) == ([b * h * m, dqk] if qk_pad else [b * m, h * dqk])
