@@ -520,7 +520,7 @@ if AVAILABLE:
                         n_tiles - 2, p_op, alpha, s, acc, m_i, l_i, q_op, q1_op, k_smem, k1_smem, v_smem,
                         bars, k_desc, k1_desc, v_desc, kv_row0, n_tiles, o_m, o_n, M, N, qk_scale, s_zero, dtype,
                         row_o, p_layout, BLOCK_N, STAGES, CAUSAL, D_QK0, SPLIT, False, True, TR, tr_on, TRACE,
-                            acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
+                        acc1, v1_smem, v1_desc, row_o1, p1_layout, D_V, SPLIT_V)
                 # P V of the last tile (acc already rescaled by its alpha).
                 acc, acc1 = _pv(p_op, v_smem, v1_smem, (n_tiles - 1) % STAGES, acc, acc1, p1_layout, SPLIT_V)
                 acc, acc1 = _wait_acc(acc, acc1, 0, SPLIT_V)
