@@ -92,7 +92,7 @@ DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
 DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "0") == "1"
 
 if AVAILABLE:
-    from .gluon_fwd import _load_kv  # the K/V ring refill, shared with the forward
+    from .gluon_fwd import _expect, _load_kv  # the K/V ring refill and its expected bytes, shared with the forward
 
     @gluon.jit
     def _load_rows(q_desc, q1_desc, do_desc, q_smem, q1_smem, do_smem, bars, t, n_rt, rt0, M, H, i_b, i_hk,
@@ -119,16 +119,7 @@ if AVAILABLE:
             do_row = row
             do_col = 0
         bar = bars.index(stage)
-        nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-        if SPLIT:
-            if SPLIT_V:
-                mbarrier.expect(bar, nbytes + q1_desc.block_type.nbytes + do1_desc.block_type.nbytes, pred=pred)
-            else:
-                mbarrier.expect(bar, nbytes + q1_desc.block_type.nbytes, pred=pred)
-        elif SPLIT_V:
-            mbarrier.expect(bar, nbytes + do1_desc.block_type.nbytes, pred=pred)
-        else:
-            mbarrier.expect(bar, nbytes, pred=pred)
+        _expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, q1_desc, do1_desc, SPLIT, SPLIT_V, pred)
         _tma_load(q_desc, [row, col], bar, q_smem.index(stage), pred=pred)
         if SPLIT:
             _tma_load(q1_desc, [row, col + D_QK0], bar, q1_smem.index(stage), pred=pred)
@@ -245,17 +236,9 @@ if AVAILABLE:
         n_rt = n_rows_tiles - rt0
         n_tiles = GROUP_N * n_rt
 
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+        _expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, k1_desc, v1_desc, SPLIT, SPLIT_V, True)
         if SPLIT:
-            if SPLIT_V:
-                mbarrier.expect(kv_bar, kv_bytes + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(kv_bar, kv_bytes + k1_desc.block_type.nbytes)
             _tma_load(k1_desc, [kv_row0, k_col0 + D_QK0], kv_bar, k1_smem)
-        elif SPLIT_V:
-            mbarrier.expect(kv_bar, kv_bytes + v1_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(kv_bar, kv_bytes)
         _tma_load(k_desc, [kv_row0, k_col0], kv_bar, k_smem)
         _tma_load(v_desc, [v_row0, v_col0], kv_bar, v_smem)
         if SPLIT_V:

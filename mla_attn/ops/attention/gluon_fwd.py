@@ -183,6 +183,20 @@ if AVAILABLE:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _expect(bar, nbytes: gl.constexpr, a_desc, b_desc, A: gl.constexpr, B: gl.constexpr, pred):
+        """mbarrier.expect of a stage's loads: nbytes, and a_desc's block where A, and b_desc's where B (the
+        second blocks of split head widths; None where not loaded)."""
+        if A:
+            if B:
+                mbarrier.expect(bar, nbytes + a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+            else:
+                mbarrier.expect(bar, nbytes + a_desc.block_type.nbytes, pred=pred)
+        elif B:
+            mbarrier.expect(bar, nbytes + b_desc.block_type.nbytes, pred=pred)
+        else:
+            mbarrier.expect(bar, nbytes, pred=pred)
+
+    @gluon.jit
     def _load_kv(k_desc, k1_desc, v_desc, k_smem, k1_smem, v_smem, bars, tile, kv_row0, n_tiles,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_QK0: gl.constexpr, SPLIT: gl.constexpr,
                  v1_desc=None, v1_smem=None, D_V0: gl.constexpr = 0, SPLIT_V: gl.constexpr = False):
@@ -191,16 +205,7 @@ if AVAILABLE:
         stage = tile % STAGES
         pred = tile < n_tiles
         bar = bars.index(stage)
-        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-        if SPLIT:
-            if SPLIT_V:
-                mbarrier.expect(bar, nbytes + k1_desc.block_type.nbytes + v1_desc.block_type.nbytes, pred=pred)
-            else:
-                mbarrier.expect(bar, nbytes + k1_desc.block_type.nbytes, pred=pred)
-        elif SPLIT_V:
-            mbarrier.expect(bar, nbytes + v1_desc.block_type.nbytes, pred=pred)
-        else:
-            mbarrier.expect(bar, nbytes, pred=pred)
+        _expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, k1_desc, v1_desc, SPLIT, SPLIT_V, pred)
         # kv_row0 = (K's first row, K's first column, V's first row, V's first column) of this head in the
         # 2-D views (a [B, H, L, D] tensor as [B * H * L, D], or a [B, L, H, D] one as [B * L, H * D]).
         k_row = kv_row0[0] + tile * BLOCK_N
