@@ -702,9 +702,12 @@ def bench_odd_widths(out=None, rounds=3):
     strides as they are and the value head padded to its power of two (before session 29), strides in units
     (``triton_fwd.STRIDE_UNITS``), and units with the value head split (``VALUE_SPLIT``, the default), against
     SDPA: ``rounds`` rounds, the order rotated each round, medians kept."""
-    from mla_attn.ops.attention import triton_fwd
+    from mla_attn.ops.attention import gluon_bwd, gluon_fwd, triton_fwd
 
     variants = {"before": (False, False), "units": (True, False), "split": (True, True)}
+    # the Triton kernels throughout: the Gluon ones' odd widths (on by default at 72 / 80 / 96) kept off
+    old_gluon = gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD
+    gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = "0", "0"
     lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal; "
              "'unit': what the leading strides are passed divided by (triton_fwd.stride_unit); 'Dv tiles': the value "
              "head's split (split_value_dim); 'before': strides as they are, Dv padded; TF/s, medians", "",
@@ -745,11 +748,12 @@ def bench_odd_widths(out=None, rounds=3):
             torch.cuda.empty_cache()
     finally:
         triton_fwd.STRIDE_UNITS, triton_fwd.VALUE_SPLIT = old
+        gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD = old_gluon
     _write_table(out, lines)
 
 
 def bench_gluon_odd(out=None, rounds=3):
-    """Forward and fwd+bwd through the public op at the odd head widths: on the Triton kernels (the default),
+    """Forward and fwd+bwd through the public op at the odd head widths: on the Triton kernels (both switches "0"),
     with the forward on Gluon (``gluon_fwd.ODD_WIDTHS``: Dqk / Dv split into power-of-two TMA blocks, a padded
     tail zero-filled, two value accumulators), and with the dK/dV pass on Gluon too (``gluon_bwd.DKDV_ODD``, Dv
     up to 128), against SDPA. ``rounds`` rounds, the order rotated each round, medians kept."""
@@ -757,7 +761,7 @@ def bench_gluon_odd(out=None, rounds=3):
 
     lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16, causal, "
              "[B, H, L, D] inputs; 'tiles': how the switches split Dqk / Dv (a '-p' tail has p padding columns); "
-             "'triton': both switches off (the default), 'fwd': ODD_WIDTHS on, 'fwd+dkdv': DKDV_ODD on too "
+             "'triton': both switches off, 'fwd': ODD_WIDTHS on, 'fwd+dkdv': DKDV_ODD on too "
              "(where the dK/dV pass takes the widths); TF/s, medians", "",
              "| B | Hq/Hkv | L | Dqk/Dv | tiles | fwd: triton | gluon | SDPA | gluon / triton | gluon / SDPA | "
              "fwd+bwd: triton | fwd | fwd+dkdv | SDPA | best / triton | best / SDPA |",

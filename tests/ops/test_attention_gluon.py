@@ -1006,3 +1006,26 @@ def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, monkeypatch):
         assert list(kw["v1_desc"].block_shape) == [128, dv1] and list(kw["do1_desc"].block_shape)[1] == dv1
     q_desc = args[0]
     assert list(q_desc.shape) == ([b * h * m, dqk] if qk_pad else [b * m, h * dqk])
+
+
+def test_odd_width_switches_auto_rule(monkeypatch):
+    """CPU: which widths each switch's modes take. "auto" (default): first blocks of at least 64 and (forward) Dv
+    <= 128, the widths that measured faster than the Triton kernels on the H100 (72, 80, 96); not 40 or 160, which
+    were slower; "1" every width the kernel can take; "0" none. The dK/dV pass never takes Dv > 128."""
+    fwd, bwd = gluon_fwd._odd_split, gluon_bwd._dkdv_odd_split
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", "auto")  # the defaults (docs/switches.md's test checks them)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", "auto")
+    for d in (72, 80, 88, 96):
+        assert fwd(d, d) is not None and bwd(d, d) is not None, d
+    assert fwd(72, 80) == ((64, 16, 8), (64, 16, 0)) and fwd(192, 72) is not None
+    for dqk, dv in ((40, 40), (48, 32), (160, 160), (104, 104)):
+        assert fwd(dqk, dv) is None and bwd(dqk, dv) is None, (dqk, dv)
+    for on in ("1", True):
+        monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", on)
+        monkeypatch.setattr(gluon_bwd, "DKDV_ODD", on)
+        assert fwd(40, 40) is not None and fwd(160, 160) is not None and fwd(48, 32) is not None
+        assert bwd(40, 40) is not None and bwd(160, 160) is None and bwd(256, 64) is None
+    for off in ("0", False):
+        monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", off)
+        monkeypatch.setattr(gluon_bwd, "DKDV_ODD", off)
+        assert fwd(72, 72) is None and bwd(80, 80) is None

@@ -88,8 +88,11 @@ DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
 DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
 # Odd head widths in the dK/dV pass, as ``gluon_fwd.ODD_WIDTHS`` in the forward (``_split_padded``): Dqk 72 as
 # 64 + 16 with 8 columns of TMA's zeros, Dv 80 / 96 as two blocks (dP^T from two chained wgmmas, dV in two
-# accumulators), Dv up to 128 in all. Off by default until it has run on a GPU; MLA_ATTN_GLUON_DKDV_ODD=1.
-DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "0") == "1"
+# accumulators), Dv up to 128 in all. H100 (d44dbde, session 32): its GPU tests pass; fwd+bwd at 4 x 32 x 2048
+# with it and the Gluon forward, against both on Triton: 72 1.10x (GQA 1.08x), 80 1.10x, 96 1.09x, 40 0.97x.
+# "auto" (default): where both widths' first block is at least 64; "1" (or True): every width it can take;
+# "0" (or False): never. MLA_ATTN_GLUON_DKDV_ODD overrides.
+DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "auto")
 
 if AVAILABLE:
     from .gluon_fwd import _expect, _load_kv  # the K/V ring refill and its expected bytes, shared with the forward
@@ -547,12 +550,23 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
             and q.shape[1] % k.shape[1] == 0):
         return False
-    if DKDV_ODD:  # registers: dK and dV accumulate 128 keys each, Dqk and Dv columns
-        split, vsplit = _split_padded(d_qk), _split_padded(d_v)
-        return (split is not None and split[0] <= 128 and vsplit is not None and vsplit[0] + vsplit[1] <= 128
-                and split[0] + split[1] <= 192)
+    if _dkdv_odd_split(d_qk, d_v) is not None:
+        return True
     split = _split_head_dim(d_qk)
     return split is not None and split[0] <= 128 and d_v in (64, 128)
+
+
+def _dkdv_odd_split(d_qk: int, d_v: int):
+    """(Dqk's, Dv's ``_split_padded``) where DKDV_ODD takes these widths, else None. Registers bound it: dK and
+    dV accumulate 128 keys each, over Dqk <= 192 (a first block <= 128) and Dv <= 128 columns."""
+    if DKDV_ODD in (False, "0"):
+        return None
+    qs, vs = _split_padded(d_qk), _split_padded(d_v)
+    if qs is None or vs is None or qs[0] > 128 or qs[0] + qs[1] > 192 or vs[0] + vs[1] > 128:
+        return None
+    if DKDV_ODD in (True, "1") or (qs[0] >= 64 and vs[0] >= 64):  # "auto": where it gained
+        return qs, vs
+    return None
 
 
 # (rows a step, ring stages) when dkdv_gluon is not told; None: by head width (see _tiles).
@@ -629,8 +643,8 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, b
     stages = _tiles(d_qk)[1] if stages is None else stages
     assert dk.is_contiguous() and dv.is_contiguous() and lse.is_contiguous() and delta.is_contiguous()
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    d0, d1, qk_pad = _split_padded(d_qk) if DKDV_ODD else _split_head_dim(d_qk) + (0,)
-    dv0, dv1, v_pad = _split_padded(d_v) if DKDV_ODD else (d_v, 0, 0)
+    splits = _dkdv_odd_split(d_qk, d_v)
+    (d0, d1, qk_pad), (dv0, dv1, v_pad) = splits if splits else (_split_head_dim(d_qk) + (0,), (d_v, 0, 0))
     # A padded block's columns past the row's end must be TMA's zeros (S^T and dP^T must not see them): those
     # tensors are read head-major (gluon_fwd.flash_fwd_gluon does the same).
     majors = (token_major and not qk_pad, token_major and not v_pad, token_major and not qk_pad,

@@ -77,7 +77,7 @@ Scope:
 - bf16 or fp16 [B, H, L, D] inputs, copied if not contiguous.
 - D_v of 64, 128 or 256.
 - D_qk a power of two, or the sum of two: 192 = 128 + 64 takes two TMA blocks and two chained wgmmas.
-- ``ODD_WIDTHS`` (off by default; session 32, compiled for sm_90a but not yet run on a GPU): both head widths
+- ``ODD_WIDTHS`` ("auto" by default: 72, 80, 88, 96 and the like; session 32, H100): both head widths
   split into two power-of-two TMA blocks of at least 16 columns, the second padded by up to 8 columns past the
   row's end, which TMA fills with zeros on loads and clips on stores (Dqk 72 = 64 + 16 - 8, 40 = 32 + 16 - 8).
   A split value head runs two accumulators and two P V wgmma groups (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32):
@@ -156,8 +156,11 @@ TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "auto")
 # Head widths other than a power of two or a sum of two (``_split_padded``): Dqk 72 as 64 + 16 with the last 8
 # columns TMA's zero fill, Dv 72 / 80 / 96 / 160 as two accumulators (64 + 16, 64 + 32, 128 + 32) with two P V
-# wgmmas. Off by default until it has run on a GPU; MLA_ATTN_GLUON_ODD=1 turns it on.
-ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "0") == "1"
+# wgmmas. H100 (d44dbde, session 32): 47 of 47 GPU tests pass (with gluon_bwd.DKDV_ODD); the forward against the
+# Triton one at 4 x 32 x 2048: 72 1.08x (GQA 1.13x), 80 1.10x, 96 1.09x, but 40 (32 + 16 - 8) 0.80x and 160 (Dv >
+# 128: the plain schedule) 0.91x. "auto" (default): where both widths' first block is at least 64 and Dv <= 128;
+# "1" (or True): every width _split_padded takes; "0" (or False): never. MLA_ATTN_GLUON_ODD overrides.
+ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "auto")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -906,8 +909,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
             and q.shape[1] % k.shape[1] == 0):
         return False
-    if ODD_WIDTHS:
-        return _split_padded(d_qk) is not None and _split_padded(d_v) is not None
+    if _odd_split(d_qk, d_v) is not None:
+        return True
     return _split_head_dim(d_qk) is not None and d_v in (64, 128, 256)
 
 
@@ -956,6 +959,18 @@ def _split_padded(d: int):
         return d0, 0, 0
     d1 = max(16, 1 << (rest - 1).bit_length())
     return (d0, d1, d1 - rest) if d1 - rest <= 8 else None
+
+
+def _odd_split(d_qk: int, d_v: int):
+    """(Dqk's, Dv's ``_split_padded``) where ODD_WIDTHS takes these widths, else None."""
+    if ODD_WIDTHS in (False, "0"):
+        return None
+    qs, vs = _split_padded(d_qk), _split_padded(d_v)
+    if qs is None or vs is None:
+        return None
+    if ODD_WIDTHS in (True, "1") or (qs[0] >= 64 and vs[0] >= 64 and d_v <= 128):  # "auto": where it gained
+        return qs, vs
+    return None
 
 
 def _tail_heads(n_mb: int, bh: int, num_sms: int) -> int:
@@ -1022,8 +1037,8 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     lse = triton_fwd._alloc((b, h, m), q.device, torch.float32)
     if o.numel() == 0 or n == 0:  # no rows, or no keys: every row is empty (o = 0, lse = -inf)
         return o.zero_(), lse.fill_(float("-inf"))
-    d0, d1, qk_pad = _split_padded(d_qk) if ODD_WIDTHS else _split_head_dim(d_qk) + (0,)
-    dv0, dv1, v_pad = _split_padded(d_v) if ODD_WIDTHS else (d_v, 0, 0)
+    odd = _odd_split(d_qk, d_v)
+    (d0, d1, qk_pad), (dv0, dv1, v_pad) = odd if odd else (_split_head_dim(d_qk) + (0,), (d_v, 0, 0))
     # A padded tail's columns past the row's end must be TMA's zeros (Q K^T must not see them), which needs rows
     # of exactly Dqk (head-major) rather than a token-major row running into the next head; and V's, so that O's
     # padding columns stay finite (they are clipped on the store either way).
