@@ -936,14 +936,10 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _split_head_dim(d: int):
     """(d0, d1) with d = d0 + d1, d0 a power of two >= 16, d1 0 or a power of two >= 16 (TMA block shapes
-    are powers of two: 192 = 128 + 64), d <= 256; None if there is no such split."""
-    if d > 256 or d < 16:
-        return None
-    d0 = 1 << (d.bit_length() - 1)
-    d1 = d - d0
-    if d1 == 0:
-        return d0, 0
-    return (d0, d1) if d1 >= 16 and d1 & (d1 - 1) == 0 else None
+    are powers of two: 192 = 128 + 64), d <= 256; None if there is no such split: ``_split_padded``'s splits
+    without padding."""
+    split = _split_padded(d)
+    return split[:2] if split is not None and split[2] == 0 else None
 
 
 def _split_padded(d: int):
