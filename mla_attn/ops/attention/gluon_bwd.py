@@ -360,43 +360,38 @@ if AVAILABLE:
         D_V1 > 0: dV's columns D_V.. are in dv1. DQK_W / DV_W (0: the blocks' sums): the rows' real widths, when a
         last block is padded past them (its padding columns are not stored)."""
         base = pid_bh.to(gl.int64) * N
-        o_nk = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-        o_dk = gl.arange(0, D_QK0, layout=gl.SliceLayout(0, dk_layout))
         if DQK_W > 0:
             d_qk: gl.constexpr = DQK_W
         else:
             d_qk: gl.constexpr = D_QK0 + D_QK1
-        p_dk = DK + (base + o_nk.to(gl.int64))[:, None] * d_qk + o_dk[None, :]
-        gl.store(p_dk, (dk * scale).to(DK.dtype.element_ty), mask=(o_nk < N)[:, None])
-        if SPLIT:
-            dk1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                                 instr_shape=[16, D_QK1, 16])
-            o_nk1 = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk1_layout))
-            o_dk1 = D_QK0 + gl.arange(0, D_QK1, layout=gl.SliceLayout(0, dk1_layout))
-            p_dk1 = DK + (base + o_nk1.to(gl.int64))[:, None] * d_qk + o_dk1[None, :]
-            if d_qk < D_QK0 + D_QK1:
-                gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty),
-                         mask=(o_nk1 < N)[:, None] & (o_dk1 < d_qk)[None, :])
-            else:
-                gl.store(p_dk1, (dk1 * scale).to(DK.dtype.element_ty), mask=(o_nk1 < N)[:, None])
         if DV_W > 0:
             d_v: gl.constexpr = DV_W
         else:
             d_v: gl.constexpr = D_V + D_V1
-        o_nv = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
-        o_dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, dv_layout))
-        p_dv = DV + (base + o_nv.to(gl.int64))[:, None] * d_v + o_dv[None, :]
-        gl.store(p_dv, dv.to(DV.dtype.element_ty), mask=(o_nv < N)[:, None])
+        _store_cols(DK, (dk * scale).to(DK.dtype.element_ty), base, n0, N, dk_layout, BLOCK_N, 0, D_QK0, d_qk)
+        if SPLIT:
+            dk1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, D_QK1, 16])
+            _store_cols(DK, (dk1 * scale).to(DK.dtype.element_ty), base, n0, N, dk1_layout, BLOCK_N, D_QK0, D_QK1,
+                        d_qk)
+        _store_cols(DV, dv.to(DV.dtype.element_ty), base, n0, N, dv_layout, BLOCK_N, 0, D_V, d_v)
         if D_V1 > 0:
             dv1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                  instr_shape=[16, D_V1, 16])
-            o_nv1 = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv1_layout))
-            o_dv1 = D_V + gl.arange(0, D_V1, layout=gl.SliceLayout(0, dv1_layout))
-            p_dv1 = DV + (base + o_nv1.to(gl.int64))[:, None] * d_v + o_dv1[None, :]
-            if d_v < D_V + D_V1:
-                gl.store(p_dv1, dv1.to(DV.dtype.element_ty), mask=(o_nv1 < N)[:, None] & (o_dv1 < d_v)[None, :])
-            else:
-                gl.store(p_dv1, dv1.to(DV.dtype.element_ty), mask=(o_nv1 < N)[:, None])
+            _store_cols(DV, dv1.to(DV.dtype.element_ty), base, n0, N, dv1_layout, BLOCK_N, D_V, D_V1, d_v)
+
+    @gluon.jit
+    def _store_cols(T, x, base, n0, N, layout: gl.constexpr, BLOCK_N: gl.constexpr, COL0: gl.constexpr,
+                    W: gl.constexpr, ROW: gl.constexpr):
+        """x [BLOCK_N, W] (in ``layout``) into columns COL0 .. COL0 + W of rows base + n0 .. of T, rows ROW elements
+        long: keys >= N left out, and columns past ROW (a padded last block's)."""
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        o_d = COL0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+        ptrs = T + (base + o_n.to(gl.int64))[:, None] * ROW + o_d[None, :]
+        if COL0 + W > ROW:
+            gl.store(ptrs, x, mask=(o_n < N)[:, None] & (o_d < ROW)[None, :])
+        else:
+            gl.store(ptrs, x, mask=(o_n < N)[:, None])
 
 
 if AVAILABLE:
