@@ -942,6 +942,7 @@ def _split_head_dim(d: int):
     return split[:2] if split is not None and split[2] == 0 else None
 
 
+@functools.lru_cache(maxsize=None)
 def _split_padded(d: int):
     """(d0, d1, pad) with d = d0 + d1 - pad for the forward's ``ODD_WIDTHS``: d0 a power of two >= 16, d1 0 or a
     power of two >= 16 whose last ``pad`` (at most 8) columns lie past the row's end (TMA fills them with zeros
