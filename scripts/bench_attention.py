@@ -378,6 +378,27 @@ def bench_fwd_192(out=None):
     ], rounds=5, rows=rows)
 
 
+def bench_fwd_occupancy(out=None):
+    """Narrow heads (Dqk = Dv <= 96) with two programs an SM against the forward in use (one 8-warp program an
+    SM: the PV-overlap schedule takes 158-203 registers). The plain schedule capped at 128 registers (no spills at
+    64-96 on sm_90a) fits two 8-warp programs; 64-row blocks of one warpgroup fit two (overlap) or three (plain)."""
+    from mla_attn.ops.attention import gluon_fwd
+
+    def variant(**kw):
+        return lambda q, k, v, scale: gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, **kw)
+
+    rows = [(4, 32, 32, 2048, 64, 64), (4, 32, 32, 2048, 72, 72), (4, 32, 8, 2048, 72, 72),
+            (4, 32, 32, 2048, 80, 80), (4, 32, 32, 2048, 96, 96), (2, 32, 32, 8192, 64, 64)]
+    _bench_forward_variants(out, "variant", [
+        ("128 rows, plain, 3 stages, cap 128 (2 an SM)", variant(pv_overlap=False, q_in_regs=False, stages=3,
+                                                                maxnreg=128)),
+        ("128 rows, plain, 3 stages, no cap", variant(pv_overlap=False, q_in_regs=False, stages=3)),
+        ("64 rows x 4 warps, overlap, 4 stages (2 an SM)", variant(block_m=64, num_warps=4)),
+        ("64 rows x 4 warps, plain, 3 stages (3 an SM)", variant(block_m=64, num_warps=4, pv_overlap=False,
+                                                                q_in_regs=False, stages=3)),
+    ], rounds=5, rows=rows)
+
+
 def bench_gluon_pair(out=None):
     """Head pairs (``gluon_fwd.HEAD_PAIR``: a block is 64 rows of each of two query heads sharing a KV head) against
     one-head blocks, in the persistent schedule (in use at d 128) and the grid, on GQA rows: the benchmark's
@@ -839,6 +860,8 @@ def main(argv=None):
                     "forward and the dK/dV pass on Gluon (gluon_fwd.ODD_WIDTHS, gluon_bwd.DKDV_ODD), against SDPA")
     ap.add_argument("--odd-widths", metavar="OUT", help="only: fwd and fwd+bwd at odd head widths: before / stride units / units + value split")
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
+    ap.add_argument("--fwd-occupancy", metavar="OUT", help="only: narrow heads with two programs an SM (the Gluon "
+                    "forward's register cap and 64-row blocks) against the forward in use")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
@@ -851,7 +874,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "gluon_odd": bench_gluon_odd, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "fwd_occupancy": bench_fwd_occupancy, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "gluon_odd": bench_gluon_odd, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):

@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--s-once", action="store_true", help="gluon_mla: the schedule that scores each tile once")
     ap.add_argument("--consumer-regs", type=int, default=232, help="gluon_mla: registers per consumer thread")
     ap.add_argument("--maxnreg", type=int, default=168, help="gluon_mla: the kernel's register cap")
+    ap.add_argument("--cap", type=int, default=None, help="gluon: a register cap (maxnreg; 128 lets two 8-warp programs share an SM)")
     ap.add_argument("--dqk", type=int, default=128, help="fwd: Dqk")
     ap.add_argument("--dv", type=int, default=128, help="fwd: Dv")
     ap.add_argument("--row-align", type=int, default=16,
@@ -210,7 +211,7 @@ def main():
             const["BLOCK_TRACE"] = True
         else:
             const.update(BT=None, BLOCK_TRACE=False)
-        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"))
+        kernel = _compile(fn, ptrs, const, warps, stages, aligned=lambda n: n.startswith("stride"), maxnreg=args.cap)
     elif args.kernel == "gluon_mla":  # the experimental MLA decode microkernel (ops/decode/gluon_mla.py)
         from triton.experimental.gluon import language as gl
 

@@ -218,14 +218,16 @@ def test_gluon_forward_s1_early_experimental(case):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, overlap, q_in_regs=False, persistent=False, schedule=None,
-           s1_early=None, tail=None, pair=None):
+           s1_early=None, tail=None, pair=None, **tiles):
+    """flash_fwd_gluon with these schedule switches (``tiles``: block_m, num_warps, stages, maxnreg) against the
+    float64 oracle."""
     scale = dqk ** -0.5
     q = torch.randn(b, hq, m, dqk, device="cuda").to(dtype)
     k = torch.randn(b, hkv, n, dqk, device="cuda").to(dtype)
     v = torch.randn(b, hkv, n, dv, device="cuda").to(dtype)
     o, lse = gluon_fwd.flash_fwd_gluon(q, k, v, causal=causal, scale=scale, pv_overlap=overlap, q_in_regs=q_in_regs,
                                        persistent=persistent, schedule=schedule, s1_early=s1_early, tail=tail,
-                                       pair=pair)
+                                       pair=pair, **tiles)
     o_ref, lse_ref = attention_oracle(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     base = _torch_same_dtype(q, k, v, causal, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32
@@ -776,6 +778,36 @@ def test_gluon_forward_odd_widths_match_oracle(case, variant, monkeypatch):
     assert gluon_fwd.supported(q, torch.empty(b, hkv, n, dqk, device="cuda", dtype=torch.bfloat16),
                                torch.empty(b, hkv, n, dv, device="cuda", dtype=torch.bfloat16))
     _check(*case, torch.bfloat16, variant != "plain", q_in_regs=variant.endswith("qregs") and dqk <= 192)
+
+
+# Two programs an SM at narrow heads (Dqk, Dv <= 96): the plain schedule capped at 128 registers (8 warps,
+# 128 rows), or 64-row blocks of one warpgroup. The cases: d 64 MHA with a partial block, 72 causal GQA (a padded
+# tail), 80 with M > N (rows that see no key), 96 non-causal MQA, 88 with its padded value tail.
+TWO_PER_SM_CASES = [
+    (2, 4, 4, 300, 300, 64, 64, True),
+    (1, 8, 2, 257, 511, 72, 72, True),
+    (1, 4, 4, 200, 130, 80, 80, True),
+    (2, 6, 1, 129, 190, 96, 96, False),
+    (1, 6, 3, 640, 640, 88, 88, True),
+]
+TWO_PER_SM_TILES = {
+    "128rows-plain-cap128": dict(block_m=128, num_warps=8, stages=3, maxnreg=128),
+    "64rows-4warps-overlap": dict(block_m=64, num_warps=4),
+    "64rows-4warps-plain": dict(block_m=64, num_warps=4, stages=3),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", TWO_PER_SM_CASES, ids=_ODD_ID)
+@pytest.mark.parametrize("tiles", list(TWO_PER_SM_TILES), ids=str)
+def test_gluon_forward_two_per_sm_tiles(case, tiles, monkeypatch):
+    """The narrow-head tiles that let two programs share an SM, bf16 into NaN-poisoned outputs, against the
+    float64 oracle within 2x of PyTorch's own bf16 error."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    _poison_outputs(monkeypatch)
+    overlap = tiles.endswith("overlap")
+    _check(*case, torch.bfloat16, overlap, q_in_regs=overlap, **TWO_PER_SM_TILES[tiles])
 
 
 @pytest.mark.gpu

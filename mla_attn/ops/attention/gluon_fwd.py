@@ -985,7 +985,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
                     persistent: bool | None = None, block_trace: torch.Tensor | None = None,
                     schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None,
-                    pair: bool | None = None):
+                    pair: bool | None = None, maxnreg: int | None = None):
     """q [B, H, M, Dqk], k [B, HK, N, Dqk], v [B, HK, N, Dv] -> (o [B, H, M, Dv], lse [B, H, M]).
 
     See the module docstring. Causal is aligned to the bottom right (query i sees keys j <= i + N - M).
@@ -999,11 +999,13 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     score tile issued before the first tile's softmax. ``tail`` (None: ``TAIL``; causal only): the last
     heads' row blocks launched length-major (see ``_order``). ``pair`` (None: ``HEAD_PAIR``): blocks of
     block_m / 2 rows from each of two query heads sharing a KV head (GQA with an even group only; see
-    ``HEAD_PAIR``).
+    ``HEAD_PAIR``). ``maxnreg``: a register cap for ptxas (None: none). The plain schedule at widths up to 96
+    fits 128 registers a thread without spilling (sm_90a, Triton 3.6), so two 8-warp programs share an SM and one's
+    softmax runs under the other's wgmmas.
     """
     key = None
     if _fast.enabled() and (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, trace, persistent, block_trace,
-                            schedule, s1_early, tail, pair) == _DEFAULTS:
+                            schedule, s1_early, tail, pair, maxnreg) == _DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), bool(token_major), PERSISTENT, S1_EARLY,
                TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR, ODD_WIDTHS)
         plan = _plans.get(key)
@@ -1111,7 +1113,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
         **({"TR": trace, "TRACE": True} if trace is not None else {}),
         **({"BT": block_trace, "BLOCK_TRACE": True} if block_trace is not None else {}), **extra, **extra_o,
         **({"S1_EARLY": True} if s1_early and pv_overlap else {}), **extra_tail, **extra_v,
-    ), {"num_warps": num_warps})
+    ), {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     plan.o_shape, plan.lse_shape = o.shape, lse.shape
     plan.launch(*plan.values((q, k, v, o), _fwd_named(plan, o, lse, scale)))
     if key is not None:
@@ -1130,7 +1132,7 @@ def _fwd_named(plan, o, lse, scale) -> dict:
 # these are planned.
 _DEFAULTS = _fast.defaults(flash_fwd_gluon, ("block_m", "block_n", "stages", "num_warps", "pv_overlap", "q_in_regs",
                                              "trace", "persistent", "block_trace", "schedule", "s1_early", "tail",
-                                             "pair"))
+                                             "pair", "maxnreg"))
 # Plans by call key (see DescPlan); cleared by the tests around each test (tests/conftest.py).
 _plans = PlanCache()
 
