@@ -386,7 +386,9 @@ def test_gluon_dkdv_matches_oracle(case, tiles, monkeypatch):
     _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
     assert calls, "the Gluon dK/dV pass did not run"
     calls.clear()
-    _check_fwd_bwd(*case, torch.bfloat16, device="cuda")  # strided views: the Triton kernels
+    # Padded token-major views whose rows stay 16-byte aligned (8 elements of padding), so the op does not copy
+    # them (function.aligned_rows copies unaligned rows, and the copies may go to Gluon): the Triton kernels.
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", pad_d=8)
     if max(case[3], case[4]) > 1:  # with M = N = 1 the [B, L, H, D] transposes are contiguous too
         assert not calls, "strided inputs went to the Gluon dK/dV pass (it would copy them)"
 
@@ -957,22 +959,72 @@ class _RecordedLaunch:
     """Stands in for _launch.Launch on the CPU: keeps what would be launched, launches nothing."""
     calls = []
 
+    options = []  # each launch's options (num_warps, maxnreg), in the order of calls
+
     def __init__(self, fn, grid, args, kwargs, options):
-        self.fn, self.grid, self.args, self.kwargs = fn, grid, args, kwargs
+        self.fn, self.grid, self.args, self.kwargs, self.opts = fn, grid, args, kwargs, options
 
     def __call__(self, *values):
         from mla_attn.ops._launch import Slot
 
         fill = lambda a: values[a.index] if isinstance(a, Slot) else a  # noqa: E731
         _RecordedLaunch.calls.append(([fill(a) for a in self.args], {k: fill(a) for k, a in self.kwargs.items()}))
+        _RecordedLaunch.options.append(dict(self.opts, grid=tuple(self.grid)))
 
 
 def _host_only(monkeypatch, mod):
     """mod's launcher runs its host side on the CPU: supported, the SM count and the launch faked."""
-    _RecordedLaunch.calls = []
+    _RecordedLaunch.calls, _RecordedLaunch.options = [], []
     monkeypatch.setattr(mod, "supported", lambda *a: True)
     monkeypatch.setattr(mod, "Launch", _RecordedLaunch)
     monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+
+
+@pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+@pytest.mark.parametrize("dqk, dv, hk, want", [
+    (64, 64, 4, (64, 4, 4, True, True, None, False)),     # exact: 64-row blocks of one warpgroup, no head pairs
+    (64, 64, 2, (64, 4, 4, True, True, None, False)),     # GQA too (pairs were 0.75x with 64-row blocks)
+    (80, 80, 4, (64, 4, 4, True, True, None, False)),
+    (96, 96, 2, (64, 4, 4, True, True, None, False)),
+    (72, 72, 4, (128, 8, 3, False, False, 128, False)),  # padded: 128 rows, plain schedule, 128 registers
+    (88, 88, 2, (128, 8, 3, False, False, 128, True)),   # ... with head pairs by HEAD_PAIR's rule (causal GQA)
+    (128, 128, 4, None), (192, 128, 4, None), (64, 32, 4, None), (48, 48, 4, None), (112, 112, 4, None),
+])
+def test_gluon_forward_narrow_tiles_launch(dqk, dv, hk, want, monkeypatch):
+    """CPU, the forward's host side (kernel faked): NARROW's tiles at Dqk = Dv in 64..96 when no schedule argument
+    is given -- rows, warps, stages, PV overlap, Q in registers, the register cap, head pairs -- and the default
+    tiles elsewhere, with NARROW off, or when the caller names any schedule argument."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_fwd, "PERSISTENT", "auto")
+    _host_only(monkeypatch, gluon_fwd)
+    b, h, m = 2, 4, 300
+    q = torch.randn(b, h, m, dqk).to(torch.bfloat16)
+    k = torch.randn(b, hk, m, dqk).to(torch.bfloat16)
+    v = torch.randn(b, hk, m, dv).to(torch.bfloat16)
+    if gluon_fwd._split_padded(dqk) is None or gluon_fwd._split_padded(dv) is None:
+        assert want is None and gluon_fwd._narrow_tiles(dqk, dv, False) is None
+        return
+
+    def launched(**kw):
+        _RecordedLaunch.calls, _RecordedLaunch.options = [], []
+        gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=0.1, **kw)
+        (_, kwargs), = _RecordedLaunch.calls
+        opts, = _RecordedLaunch.options
+        return (kwargs["BLOCK_M"], opts["num_warps"], kwargs["STAGES"], kwargs["PV_OVERLAP"], kwargs["Q_IN_REGS"],
+                opts.get("maxnreg"), kwargs.get("PAIR", False)), opts["grid"]
+
+    tiles, grid = launched()
+    default = (128, 8, 4 if dv <= 128 else 3, dv <= 128, dqk <= 192, None, hk < h and h // hk % 2 == 0)
+    if want is None:
+        assert tiles[:6] == default[:6]
+        return
+    assert tiles == want
+    rows = want[0] // 2 if want[6] else want[0]
+    assert grid == (-(-m // rows), b * h // (2 if want[6] else 1))
+    # a caller's schedule argument keeps the default tiles; so does NARROW off
+    assert launched(stages=4)[0][:2] == (128, 8) and launched(pair=False)[0][:2] == (128, 8)
+    monkeypatch.setattr(gluon_fwd, "NARROW", "0")
+    assert launched()[0][:6] == default[:6]
 
 
 @pytest.mark.skipif(not gluon_fwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")

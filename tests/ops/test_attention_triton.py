@@ -75,7 +75,7 @@ def _grads(fn, inputs, do):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k_mul=1.0, device="cpu",
-           strided=True):
+           strided=True, pad_d=5):
     scale = dqk ** -0.5 if scale is None else scale
     q = (torch.randn(b, hq, m, dqk, device=device) * q_mul).to(dtype)
     k = (torch.randn(b, hkv, n, dqk, device=device) * k_mul).to(dtype)
@@ -84,7 +84,7 @@ def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k
     # q as a [B, M, H, D] transpose, k/v inside NaN-padded token-major storage (strided), or as they are.
     if strided:
         qs = q.transpose(1, 2).contiguous().transpose(1, 2)
-        ks, vs = _strided(k), _strided(v)
+        ks, vs = _strided(k, pad_d=pad_d), _strided(v, pad_d=pad_d)
     else:
         qs, ks, vs = q, k, v
 

@@ -161,6 +161,15 @@ HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "auto")
 # 128: the plain schedule) 0.91x. "auto" (default): where both widths' first block is at least 64 and Dv <= 128;
 # "1" (or True): every width _split_padded takes; "0" (or False): never. MLA_ATTN_GLUON_ODD overrides.
 ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "auto")
+# Narrow heads (Dqk = Dv from 64 to 96) with two programs an SM (``_narrow_tiles``): at 8 warps and 158-203
+# registers one program fills an SM, and its two warpgroups wait at the same barriers, so the tensor cores idle
+# through each softmax; a second program's wgmmas fill those gaps. Exact widths take 64-row blocks of one warpgroup
+# (PV overlap, 4 stages, Q in registers, no head pairs); padded ones (72, 88: 64 + 16 or 32 with TMA's zero fill)
+# take the plain schedule with 128 rows capped at 128 registers (no spills on sm_90a). H100 (e593a4d, session 33,
+# 4 x 32 x 2048 causal, against the forward before): 64 1.18x, GQA 64 1.18x, 80 1.15x, 96 1.14-1.18x; 72 1.05-1.08x,
+# 88 1.08x; the 64-row blocks at 128 and 192/128 were 0.81-0.90x (not taken). "auto" (default): those widths;
+# "0": never. MLA_ATTN_GLUON_NARROW overrides.
+NARROW = os.environ.get("MLA_ATTN_GLUON_NARROW", "auto")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
@@ -970,6 +979,16 @@ def _odd_split(d_qk: int, d_v: int):
     return None
 
 
+def _narrow_tiles(d_qk: int, d_v: int, padded: bool) -> dict | None:
+    """NARROW's schedule for these widths (block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair), or
+    None: the default tiles. ``padded``: a head split with TMA's zero fill (72 = 64 + 16 - 8)."""
+    if NARROW in (False, "0") or d_qk != d_v or not 64 <= d_v <= 96:
+        return None
+    if padded:  # 64-row blocks were 0.90-0.99x here: the plain schedule, two 8-warp programs an SM
+        return dict(block_m=128, num_warps=8, stages=3, pv_overlap=False, q_in_regs=False, maxnreg=128, pair=None)
+    return dict(block_m=64, num_warps=4, stages=4, pv_overlap=True, q_in_regs=True, maxnreg=None, pair=False)
+
+
 def _tail_heads(n_mb: int, bh: int, num_sms: int) -> int:
     """TAIL: heads whose row blocks run length-major at the end -- enough for two blocks an SM."""
     return max(1, min(bh, -(-2 * num_sms // n_mb)))
@@ -980,8 +999,8 @@ def _auto_persistent(d_qk: int, d_v: int, trace) -> bool:
     return trace is None and TMA_STORE and d_qk == d_v == 128
 
 
-def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, block_n: int | None = None,
-                    stages: int | None = None, num_warps: int = 8, pv_overlap: bool | None = None,
+def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int | None = None, block_n: int | None = None,
+                    stages: int | None = None, num_warps: int | None = None, pv_overlap: bool | None = None,
                     q_in_regs: bool | None = None, token_major: bool = False, trace: torch.Tensor | None = None,
                     persistent: bool | None = None, block_trace: torch.Tensor | None = None,
                     schedule: int | None = None, s1_early: bool | None = None, tail: bool | None = None,
@@ -1001,13 +1020,14 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     block_m / 2 rows from each of two query heads sharing a KV head (GQA with an even group only; see
     ``HEAD_PAIR``). ``maxnreg``: a register cap for ptxas (None: none). The plain schedule at widths up to 96
     fits 128 registers a thread without spilling (sm_90a, Triton 3.6), so two 8-warp programs share an SM and one's
-    softmax runs under the other's wgmmas.
+    softmax runs under the other's wgmmas. ``block_m`` / ``num_warps`` (None: 128 rows, 8 warps; or, with every
+    schedule argument left at None, ``NARROW``'s tiles for narrow heads).
     """
     key = None
     if _fast.enabled() and (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, trace, persistent, block_trace,
                             schedule, s1_early, tail, pair, maxnreg) == _DEFAULTS:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), bool(causal), bool(token_major), PERSISTENT, S1_EARLY,
-               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR, ODD_WIDTHS)
+               TMA_STORE, PERSISTENT_SCHEDULE, TAIL, HEAD_PAIR, ODD_WIDTHS, NARROW)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run_fwd(q, k, v, scale)
@@ -1016,6 +1036,15 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
                          f"v {tuple(v.shape)} on {q.device}")
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    odd = _odd_split(d_qk, d_v)
+    if (block_m, block_n, stages, num_warps, pv_overlap, q_in_regs, maxnreg, pair, trace, block_trace) == (None,) * 10 \
+            and not persistent and PERSISTENT != "1":
+        narrow = _narrow_tiles(d_qk, d_v, bool(odd and (odd[0][2] or odd[1][2])))
+        if narrow:
+            block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair = (
+                narrow[a] for a in ("block_m", "num_warps", "stages", "pv_overlap", "q_in_regs", "maxnreg", "pair"))
+    block_m = 128 if block_m is None else block_m
+    num_warps = 8 if num_warps is None else num_warps
     if block_n is None:  # shared memory: Q + stages x (K + V) within 227 KB
         block_n = 64 if max(d_qk, d_v) <= 192 else 32  # 192/128: Q 48 KB + 4 x 40 KB
     if pv_overlap is None:  # at Dv = 256 the overlap needs more registers than there are (ptxas C7512, spills)
@@ -1036,7 +1065,6 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int = 128, 
     lse = triton_fwd._alloc((b, h, m), q.device, torch.float32)
     if o.numel() == 0 or n == 0:  # no rows, or no keys: every row is empty (o = 0, lse = -inf)
         return o.zero_(), lse.fill_(float("-inf"))
-    odd = _odd_split(d_qk, d_v)
     (d0, d1, qk_pad), (dv0, dv1, v_pad) = odd if odd else (_split_head_dim(d_qk) + (0,), (d_v, 0, 0))
     # A padded tail's columns past the row's end must be TMA's zeros (Q K^T must not see them), which needs rows
     # of exactly Dqk (head-major) rather than a token-major row running into the next head; and V's, so that O's
