@@ -550,7 +550,9 @@ def _smaller(cfg: DecodeConfig):
 # smaller than it, looking up a page per key (the path pages under 16 keys take) instead of becoming one page. For
 # the narrow heads: over pages of 64 a d 72 stage holds 20 KB against 32 KB at d 128, and paged 64 read 0.74-0.84
 # of SDPA at d 72 / 80 on the H200 where d 128 read 0.98-1.00 (session 31). `bench_decode.py --paged-stages`
-# times it; MLA_ATTN_DECODE_PAGE_SPAN=1 turns it on.
+# times it; MLA_ATTN_DECODE_PAGE_SPAN=1 turns it on. H100 (e593a4d, session 33; its GPU tests pass), paged 64, graph
+# replays, GB/s: B 32 L 8192 d 72 2031 against 2236 off, d 80 2505 against 2438, d 128 2889 against 2905; B 1 L 32768
+# within 1% at 72 / 80 and 4% behind at 128. It gains only at d 80, B 32, so it stays off (the H200 has not timed it).
 PAGE_SPAN = os.environ.get("MLA_ATTN_DECODE_PAGE_SPAN", "0") == "1"
 
 
