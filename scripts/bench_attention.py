@@ -458,6 +458,57 @@ def _bench_toggle(out, mod, attr, values, labels, rows, rounds=5):
     _write_table(out, lines)
 
 
+def bench_dkdv_narrow(out=None, rounds=3):
+    """Forward + backward through the op at narrow heads with the Gluon dK/dV pass's tiles replaced: 64 keys a
+    program on one warpgroup (two or three programs an SM: 191-238 registers at 64 rows, 133-183 at 32, sm_90a)
+    against the default 128 keys on two warpgroups. Each variant's dK and dV are checked against the default's
+    (max abs difference)."""
+    import functools
+
+    from mla_attn.ops.attention import gluon_bwd
+
+    real = gluon_bwd.dkdv_gluon
+    variants = {"default (128 keys, 8 warps)": {}, "64 keys, 4 warps, 64 rows, 2 stages":
+                dict(block_n=64, num_warps=4, block_m=64, stages=2),
+                "64 keys, 4 warps, 32 rows, 3 stages": dict(block_n=64, num_warps=4, block_m=32, stages=3)}
+    lines = ["| B | Hq/Hkv | L | Dqk/Dv | dK/dV tiles | max abs diff dK, dV vs default | fwd+bwd TF/s | vs default "
+             "| SDPA TF/s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [(4, 32, 32, 2048, 64, 64), (4, 32, 8, 2048, 64, 64), (4, 32, 32, 2048, 80, 80), (4, 32, 32, 2048, 96, 96),
+            (4, 32, 32, 2048, 72, 72)]
+    for b, hq, hkv, n, dqk, dv in rows:
+        scale, flops, q, k, v, do = _train_row(b, hq, hkv, n, dqk, dv)
+        cands, grads = {}, {}
+        for name, kw in variants.items():
+            fn = functools.partial(real, **kw) if kw else real
+
+            def step(fn=fn):
+                gluon_bwd.dkdv_gluon = fn
+                try:
+                    _ours(q, k, v, scale).backward(do)
+                finally:
+                    gluon_bwd.dkdv_gluon = real
+            try:
+                for t in (q, k, v):
+                    t.grad = None
+                step()
+                grads[name] = (k.grad.clone(), v.grad.clone())
+                cands[name] = step
+            except Exception as e:  # report, go on
+                print(f"dkdv narrow {name} {dqk}/{dv}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        cands["sdpa"] = lambda: _sdpa(q, k, v, scale).backward(do)
+        med = _rotated_medians(cands, rounds, grads=[q, k, v])
+        base = grads.get("default (128 keys, 8 warps)")
+        for name in variants:
+            if name not in grads or base is None:
+                continue
+            diff = max((a.float() - b_.float()).abs().max().item() for a, b_ in zip(grads[name], base))
+            lines.append(f"| {b} | {hq}/{hkv} | {n} | {dqk}/{dv} | {name} | {diff:.1e} | {flops / med[name] / 1e9:.0f} "
+                         f"| {med['default (128 keys, 8 warps)'] / med[name]:.3f} | {flops / med['sdpa'] / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    _write_table(out, lines)
+
+
 def bench_dkdv_store(out=None, rounds=5):
     """The Gluon dK/dV pass storing dK/dV by TMA (``gluon_bwd.DKDV_TMA_STORE``) or directly, on every row."""
     from mla_attn.ops.attention import gluon_bwd
@@ -862,6 +913,8 @@ def main(argv=None):
     ap.add_argument("--hsplit", metavar="OUT", help="only: fwd+bwd with the dK/dV pass's heads split off / auto / 2 / 4")
     ap.add_argument("--fwd-occupancy", metavar="OUT", help="only: narrow heads with two programs an SM (the Gluon "
                     "forward's register cap and 64-row blocks) against the forward in use")
+    ap.add_argument("--dkdv-narrow", metavar="OUT", help="only: fwd+bwd at narrow heads with the Gluon dK/dV pass on "
+                    "64-key one-warpgroup programs against its default tiles")
     ap.add_argument("--fwd-192", metavar="OUT", help="only: the Gluon forward's schedules and ring depths at Dqk 192")
     ap.add_argument("--dkdv-store", metavar="OUT",
                     help="only: fwd+bwd with the Gluon dK/dV pass storing by TMA or directly, and SDPA")
@@ -874,7 +927,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
     only = {"gluon": bench_gluon, "gluon_ws": bench_gluon_ws, "gluon_persistent": bench_gluon_persistent,
-            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "fwd_occupancy": bench_fwd_occupancy, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "gluon_odd": bench_gluon_odd, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
+            "gluon_pair": bench_gluon_pair, "fwd_192": bench_fwd_192, "fwd_occupancy": bench_fwd_occupancy, "dkdv_narrow": bench_dkdv_narrow, "gqa_sweep": bench_gqa_sweep, "odd_widths": bench_odd_widths, "gluon_odd": bench_gluon_odd, "hsplit": bench_hsplit, "dkdv_store": bench_dkdv_store, "fused_bwd": bench_fused_bwd, "host_overhead": bench_host_overhead, "dkdv_fresh": bench_dkdv_fresh,
             "deterministic_peer": bench_deterministic_peer}
     for name, bench in only.items():  # each of these runs alone, its table to the path given
         if getattr(args, name):
