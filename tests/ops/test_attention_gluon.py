@@ -813,6 +813,22 @@ def test_gluon_forward_two_per_sm_tiles(case, tiles, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", TWO_PER_SM_CASES, ids=_ODD_ID)
+def test_gluon_forward_narrow_through_the_op(case, monkeypatch):
+    """NARROW on ("auto"), through the public op in the layers' layout ([B, L, H, D] transposes, read in place
+    where the width is exact): the token-major test's checks, with the forward launched with NARROW's tiles."""
+    monkeypatch.setattr(gluon_fwd, "NARROW", "auto")
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    tiles = []
+    real = gluon_fwd._narrow_tiles
+    monkeypatch.setattr(gluon_fwd, "_narrow_tiles", lambda *a: tiles.append(real(*a)) or tiles[-1])
+    test_token_major_through_the_op(case, monkeypatch)
+    assert tiles and tiles[0] is not None, tiles
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HOPPER and gluon_fwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
 @pytest.mark.parametrize("case", [ODD_CASES[0], ODD_CASES[1], ODD_CASES[5]], ids=_ODD_ID)
 def test_gluon_forward_odd_widths_fp16(case, monkeypatch):
@@ -996,6 +1012,7 @@ def test_gluon_forward_narrow_tiles_launch(dqk, dv, hk, want, monkeypatch):
     tiles elsewhere, with NARROW off, or when the caller names any schedule argument."""
     monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
     monkeypatch.setattr(gluon_fwd, "PERSISTENT", "auto")
+    monkeypatch.setattr(gluon_fwd, "NARROW", "auto")
     _host_only(monkeypatch, gluon_fwd)
     b, h, m = 2, 4, 300
     q = torch.randn(b, h, m, dqk).to(torch.bfloat16)
