@@ -1109,6 +1109,61 @@ def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, monkeypatch):
     assert list(q_desc.shape) == ([b * h * m, dqk] if qk_pad else [b * m, h * dqk])
 
 
+@pytest.mark.skipif(not gluon_bwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+@pytest.mark.parametrize("dqk, dv, narrow", [(64, 64, True), (80, 80, True), (96, 96, True), (72, 72, True),
+                                             (128, 128, False), (64, 32, False), (192, 128, False)])
+def test_gluon_dkdv_narrow_tiles_launch(dqk, dv, narrow, monkeypatch):
+    """CPU, the dK/dV pass's host side (kernel faked) with DKDV_NARROW on: 64-key one-warpgroup programs (twice the
+    key blocks in the grid, 64 rows, 2 stages) at Dqk = Dv in 64..96 when no tile is given; the default 128 keys on
+    8 warps elsewhere, with DKDV_NARROW off, when a tile is given, or when TILES is set."""
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_NARROW", "auto")
+    _host_only(monkeypatch, gluon_bwd)
+    b, h, hk, m, n = 1, 4, 2, 200, 300
+    q, do = torch.randn(b, h, m, dqk).to(torch.bfloat16), torch.randn(b, h, m, dv).to(torch.bfloat16)
+    k, v = torch.randn(b, hk, n, dqk).to(torch.bfloat16), torch.randn(b, hk, n, dv).to(torch.bfloat16)
+    lse, delta = torch.zeros(b, h, m), torch.zeros(b, h, m)
+    dk, dv_ = torch.empty(b, hk, n, dqk, dtype=torch.bfloat16), torch.empty(b, hk, n, dv, dtype=torch.bfloat16)
+
+    def launched(**kw):
+        _RecordedLaunch.calls, _RecordedLaunch.options = [], []
+        gluon_bwd.dkdv_gluon(q, k, v, do, lse, delta, dk, dv_, causal=True, scale=0.1, hsplit=1, **kw)
+        (_, kwargs), = _RecordedLaunch.calls
+        opts, = _RecordedLaunch.options
+        return kwargs["BLOCK_N"], opts["num_warps"], kwargs["BLOCK_M"], kwargs["STAGES"], opts["grid"][0]
+
+    default = (128, 8) + gluon_bwd._tiles(dqk) + (-(-n // 128),)
+    assert launched() == ((64, 4, 64, 2, -(-n // 64)) if narrow else default)
+    assert launched(stages=default[3]) == default
+    monkeypatch.setattr(gluon_bwd, "TILES", default[2:4])
+    assert launched() == default
+    monkeypatch.setattr(gluon_bwd, "TILES", None)
+    monkeypatch.setattr(gluon_bwd, "DKDV_NARROW", "0")
+    assert launched() == default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HOPPER and gluon_bwd.AVAILABLE), reason="needs a Hopper GPU and Triton's Gluon")
+@pytest.mark.parametrize("case", TWO_PER_SM_CASES, ids=_ODD_ID)
+@pytest.mark.parametrize("tiles", [None, (64, 4, 32, 3)], ids=["narrow-auto", "keys64-rows32-stages3"])
+def test_gluon_dkdv_narrow_tiles_match_oracle(case, tiles, monkeypatch):
+    """The dK/dV pass on 64-key one-warpgroup programs (DKDV_NARROW's tiles, and 32 rows with 3 stages), through
+    the public op into NaN-poisoned outputs and gradients: o, lse and all three gradients against the float64
+    oracle within 2x PyTorch's own bf16 error."""
+    monkeypatch.setattr(gluon_fwd, "ODD_WIDTHS", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_NARROW", "auto")
+    if tiles is not None:
+        monkeypatch.setattr(gluon_bwd, "_dkdv_narrow_tiles", lambda d_qk, d_v: tiles)
+    _poison_outputs(monkeypatch)
+    launched = []
+    real = gluon_bwd.Launch
+    monkeypatch.setattr(gluon_bwd, "Launch", lambda fn, grid, a, kw, o: launched.append(kw["BLOCK_N"]) or
+                        real(fn, grid, a, kw, o))
+    _check_fwd_bwd(*case, torch.bfloat16, device="cuda", strided=False)
+    assert launched and set(launched) == {64}, launched
+
+
 def test_odd_width_switches_auto_rule(monkeypatch):
     """CPU: which widths each switch's modes take. "auto" (default): first blocks of at least 64 and (forward) Dv
     <= 128, the widths that measured faster than the Triton kernels on the H100 (72, 80, 96); not 40 or 160, which

@@ -93,6 +93,12 @@ DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
 # "auto" (default): where both widths' first block is at least 64; "1" (or True): every width it can take;
 # "0" (or False): never. MLA_ATTN_GLUON_DKDV_ODD overrides.
 DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "auto")
+# Narrow heads in the dK/dV pass, as gluon_fwd.NARROW in the forward (``_dkdv_narrow_tiles``): Dqk = Dv in 64..96
+# on 64-key programs of one warpgroup (64 rows a step, 2 stages) instead of 128 keys on two. sm_90a (Triton 3.6):
+# 191-235 registers x 128 threads and 49-74 KB of shared memory, so two programs an SM, where the 128-key program
+# (191-222 registers x 256) fills one. Not yet run on a GPU (``bench_attention.py --dkdv-narrow`` times it, with
+# 32 rows and 3 stages too), so "0" (default): never; "auto": those widths. MLA_ATTN_GLUON_DKDV_NARROW overrides.
+DKDV_NARROW = os.environ.get("MLA_ATTN_GLUON_DKDV_NARROW", "0")
 
 if AVAILABLE:
     from .gluon_fwd import _expect, _load_kv  # the K/V ring refill and its expected bytes, shared with the forward
@@ -564,6 +570,13 @@ def _dkdv_odd_split(d_qk: int, d_v: int):
     return None
 
 
+def _dkdv_narrow_tiles(d_qk: int, d_v: int):
+    """DKDV_NARROW's (keys a program, warps, rows a step, stages) for these widths, or None: the default tiles."""
+    if DKDV_NARROW in (False, "0") or d_qk != d_v or not 64 <= d_v <= 96 or _split_padded(d_v) is None:
+        return None
+    return 64, 4, 64, 2
+
+
 # (rows a step, ring stages) when dkdv_gluon is not told; None: by head width (see _tiles).
 TILES = None
 
@@ -609,25 +622,32 @@ def _add_parts(parts, outs, hs: int) -> None:
 
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, *, causal: bool, scale: float, block_m: int | None = None,
-               block_n: int = 128, stages: int | None = None, num_warps: int = 8, token_major: bool = False,
-               hsplit: int | None = None):
+               block_n: int | None = None, stages: int | None = None, num_warps: int | None = None,
+               token_major: bool = False, hsplit: int | None = None):
     """Fill dk [B, HK, N, Dqk] and dv [B, HK, N, Dv] (contiguous) from q [B, H, M, Dqk], k, v, do
     [B, H, M, Dv], lse and delta [B, H, M] float32 (contiguous). Causal is bottom-right.
 
-    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``. ``hsplit`` (None:
+    Tiles: 128 keys a program (two warpgroups); rows a step and ring stages from ``_tiles``; with none of the
+    four given and ``TILES`` unset, ``DKDV_NARROW``'s tiles for narrow heads. ``hsplit`` (None:
     ``DKDV_HSPLIT``): the programs a KV head's query heads are split between (it must divide the group). Calls
     with the default tiles replay a plan kept per call key (``gluon_fwd.DescPlan``)."""
     b, h, m, d_qk = q.shape
     hk, n, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    untold = (block_m, block_n, stages, num_warps) == (None,) * 4
+    narrow = _dkdv_narrow_tiles(d_qk, d_v) if untold and TILES is None else None
+    if narrow:
+        block_n, num_warps, block_m, stages = narrow
+    block_n = 128 if block_n is None else block_n
+    num_warps = 8 if num_warps is None else num_warps
     hs = _hsplit(b, h, hk, n, block_n, q.device) if hsplit is None else hsplit
     if hs < 1 or (h // hk) % hs:
         raise ValueError(f"dkdv_gluon: hsplit must divide the group ({h // hk} query heads a KV head), got {hs}")
     out_k, out_v = _part_buffers(dk, dv, hs) if hs > 1 else (dk, dv)
     key = None
-    if _fast.enabled() and (block_m, block_n, stages, num_warps, hsplit) == _DKDV_DEFAULTS:
+    if _fast.enabled() and untold and hsplit is None:
         key = (tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(do), tensor_key(lse), tensor_key(delta),
                tensor_key(dk), tensor_key(dv), bool(causal), bool(token_major), DKDV_TMA_STORE, DKDV_FRESH_DESC, TILES,
-               DKDV_HSPLIT, DKDV_ODD)
+               DKDV_HSPLIT, DKDV_ODD, DKDV_NARROW)
         plan = _plans.get(key)
         if plan is not None:
             plan.launch(*plan.values((q, do, k, v, out_k, out_v), _dkdv_named(lse, delta, out_k, out_v, scale)))
@@ -693,7 +713,6 @@ def _dkdv_named(lse, delta, dk, dv, scale) -> dict:
 # dkdv_gluon's plans by call key (see gluon_fwd.DescPlan); cleared by the tests around each test. Only calls
 # with the default tiles are planned.
 _plans = PlanCache()
-_DKDV_DEFAULTS = _fast.defaults(dkdv_gluon, ("block_m", "block_n", "stages", "num_warps", "hsplit"))
 
 
 def dq_gluon(q, k, v, do, lse, delta, dq, *, causal: bool, scale: float, block_m: int = 128, block_n: int = 64,
