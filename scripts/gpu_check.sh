@@ -117,7 +117,7 @@ fi
 if [ "${ONLY:-}" = occupancy ]; then
   # Session 33: narrow heads with two programs an SM (the Gluon forward capped at 128 registers, or 64-row blocks of
   # one warpgroup): their GPU tests, then the forward against the one in use.
-  step "gluon GPU tests: two programs an SM" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu --maxfail=6 tests/ops/test_attention_gluon.py -k 'two_per_sm or narrow or through_the_op or routes or (dkdv_matches_oracle and rows64)' 2>&1 | tee '$out/gpu_occupancy_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
+  step "gluon GPU tests: two programs an SM" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu --maxfail=6 tests/ops/test_attention_gluon.py -k 'two_per_sm or narrow or through_the_op or routes or (dkdv_matches_oracle and rows64)' 2>&1 | tee '$out/gpu_occupancy_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench forward occupancy" "$(lim 240)" $PY scripts/bench_attention.py --fwd-occupancy "$out/bench_fwd_occupancy.md"
   step "bench dK/dV narrow tiles" "$(lim 200)" $PY scripts/bench_attention.py --dkdv-narrow "$out/bench_dkdv_narrow.md"
   echo "gpu_check status: $status"
