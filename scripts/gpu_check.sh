@@ -16,8 +16,8 @@
 #   ONLY=gluonodd bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward and dK/dV pass at odd head widths (ODD_WIDTHS,
 #     DKDV_ODD: 72, 80, 96, 40, 160 as power-of-two TMA blocks, two value accumulators): their GPU tests
 #   ONLY=gluonoddbench bash scripts/gpu_check.sh [OUTDIR]   fwd / fwd+bwd at odd widths, Triton / Gluon / SDPA
-#   ONLY=occupancy bash scripts/gpu_check.sh [OUTDIR]   narrow heads (64-96), two Gluon forward programs an SM:
-#     tests, bench against the forward in use
+#   ONLY=occupancy bash scripts/gpu_check.sh [OUTDIR]   narrow heads (64-96), two Gluon programs an SM (forward:
+#     NARROW; dK/dV: DKDV_NARROW): their tests, the forward's tiles against the one in use, --dkdv-narrow
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -116,7 +116,8 @@ if [ "${ONLY:-}" = gluonoddbench ]; then
 fi
 if [ "${ONLY:-}" = occupancy ]; then
   # Session 33: narrow heads with two programs an SM (the Gluon forward capped at 128 registers, or 64-row blocks of
-  # one warpgroup): their GPU tests, then the forward against the one in use.
+  # one warpgroup; the dK/dV pass on 64-key one-warpgroup programs): their GPU tests, the forward's tiles against the
+  # one in use, then fwd+bwd with the dK/dV pass's tiles against its default ones.
   step "gluon GPU tests: two programs an SM" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu --maxfail=6 tests/ops/test_attention_gluon.py -k 'two_per_sm or narrow or through_the_op or routes or (dkdv_matches_oracle and rows64)' 2>&1 | tee '$out/gpu_occupancy_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench forward occupancy" "$(lim 240)" $PY scripts/bench_attention.py --fwd-occupancy "$out/bench_fwd_occupancy.md"
   step "bench dK/dV narrow tiles" "$(lim 200)" $PY scripts/bench_attention.py --dkdv-narrow "$out/bench_dkdv_narrow.md"
