@@ -727,7 +727,7 @@ def test_training_step_plans_match_unplanned(side, token_major, monkeypatch):
             assert not torch.isnan(b_).any() and torch.equal(a, b_)
 
 
-# ODD_WIDTHS (off by default until these pass on the H200): head widths split into power-of-two TMA blocks, a
+# ODD_WIDTHS ("auto" since session 32, on an H100's run of these): head widths split into power-of-two TMA blocks, a
 # padded tail's columns past the row's end zero-filled by TMA (72 = 64 + 16 - 8, 40 = 32 + 16 - 8), and the value
 # head in two accumulators (80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32). Cases: a partial last row block (stored
 # directly, its tail columns masked), M > N (rows that see no key), one row, GQA with head pairs, the plain

@@ -981,14 +981,14 @@ def _odd_split(d_qk: int, d_v: int):
     return None
 
 
-def _narrow_tiles(d_qk: int, d_v: int, padded: bool) -> dict | None:
-    """NARROW's schedule for these widths (block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair), or
-    None: the default tiles. ``padded``: a head split with TMA's zero fill (72 = 64 + 16 - 8)."""
+def _narrow_tiles(d_qk: int, d_v: int, padded: bool) -> tuple | None:
+    """NARROW's (block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair) for these widths, or None: the
+    default tiles. ``padded``: a head split with TMA's zero fill (72 = 64 + 16 - 8)."""
     if NARROW in (False, "0") or d_qk != d_v or not 64 <= d_v <= 96:
         return None
     if padded:  # 64-row blocks were 0.85-0.99x here: the plain schedule, two 8-warp programs an SM
-        return dict(block_m=128, num_warps=8, stages=3, pv_overlap=False, q_in_regs=False, maxnreg=128, pair=None)
-    return dict(block_m=64, num_warps=4, stages=4, pv_overlap=True, q_in_regs=True, maxnreg=None, pair=False)
+        return 128, 8, 3, False, False, 128, None
+    return 64, 4, 4, True, True, None, False
 
 
 def _tail_heads(n_mb: int, bh: int, num_sms: int) -> int:
@@ -1043,8 +1043,7 @@ def flash_fwd_gluon(q, k, v, *, causal: bool, scale: float, block_m: int | None 
             and not persistent and PERSISTENT != "1":
         narrow = _narrow_tiles(d_qk, d_v, bool(odd and (odd[0][2] or odd[1][2])))
         if narrow:
-            block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair = (
-                narrow[a] for a in ("block_m", "num_warps", "stages", "pv_overlap", "q_in_regs", "maxnreg", "pair"))
+            block_m, num_warps, stages, pv_overlap, q_in_regs, maxnreg, pair = narrow
     block_m = 128 if block_m is None else block_m
     num_warps = 8 if num_warps is None else num_warps
     if block_n is None:  # shared memory: Q + stages x (K + V) within 227 KB
