@@ -1081,12 +1081,15 @@ def test_gluon_forward_odd_widths_launch_arguments(dqk, dv, tails, monkeypatch):
 
 
 @pytest.mark.skipif(not gluon_bwd.AVAILABLE, reason="needs Triton's Gluon (its host-side descriptors)")
+@pytest.mark.parametrize("narrow", ["0", "auto"])
 @pytest.mark.parametrize("dqk, dv", [(72, 72), (80, 80), (72, 80), (128, 128)])
-def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, monkeypatch):
+def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, narrow, monkeypatch):
     """CPU, the dK/dV pass's host side with DKDV_ODD on (the kernel faked): the value head's blocks, dO's and V's
     tail descriptors, the real widths for the masked stores, no TMA stores with odd widths, padded tensors
-    read head-major."""
+    read head-major; with DKDV_NARROW on, narrow equal widths' descriptors are 64 keys tall."""
     monkeypatch.setattr(gluon_bwd, "DKDV_ODD", True)
+    monkeypatch.setattr(gluon_bwd, "DKDV_NARROW", narrow)
+    keys = 64 if narrow == "auto" and dqk == dv and 64 <= dv <= 96 else 128
     _host_only(monkeypatch, gluon_bwd)
     b, h, hk, m, n = 1, 4, 2, 200, 200
     q = torch.randn(b, m, h, dqk).to(torch.bfloat16).transpose(1, 2)
@@ -1104,7 +1107,7 @@ def test_gluon_dkdv_odd_widths_launch_arguments(dqk, dv, monkeypatch):
     odd = bool(dv1 or qk_pad or v_pad)
     assert "TMA_STORE" not in kw if odd else kw.get("TMA_STORE") is True
     if dv1:
-        assert list(kw["v1_desc"].block_shape) == [128, dv1] and list(kw["do1_desc"].block_shape)[1] == dv1
+        assert list(kw["v1_desc"].block_shape) == [keys, dv1] and list(kw["do1_desc"].block_shape)[1] == dv1
     q_desc = args[0]
     assert list(q_desc.shape) == ([b * h * m, dqk] if qk_pad else [b * m, h * dqk])
 

@@ -96,9 +96,11 @@ DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "auto")
 # Narrow heads in the dK/dV pass, as gluon_fwd.NARROW in the forward (``_dkdv_narrow_tiles``): Dqk = Dv in 64..96
 # on 64-key programs of one warpgroup (64 rows a step, 2 stages) instead of 128 keys on two. sm_90a (Triton 3.6):
 # 191-235 registers x 128 threads and 49-74 KB of shared memory, so two programs an SM, where the 128-key program
-# (191-222 registers x 256) fills one. Not yet run on a GPU (``bench_attention.py --dkdv-narrow`` times it, with
-# 32 rows and 3 stages too), so "0" (default): never; "auto": those widths. MLA_ATTN_GLUON_DKDV_NARROW overrides.
-DKDV_NARROW = os.environ.get("MLA_ATTN_GLUON_DKDV_NARROW", "0")
+# (191-222 registers x 256) fills one. H100 (1be8d80, session 34; bench_attention.py --dkdv-narrow, fwd+bwd at
+# 4 x 32 x 2048 against the 128-key tiles): 64 1.11x, GQA 64 1.12x, 72 1.06x, 80 1.08x, 96 1.08x; 32 rows with 3
+# stages 0.99-1.08x, so 64 rows and 2 stages it is. Its GPU tests pass, and the whole Gluon file with it on.
+# "auto" (default): those widths; "0": never. MLA_ATTN_GLUON_DKDV_NARROW overrides.
+DKDV_NARROW = os.environ.get("MLA_ATTN_GLUON_DKDV_NARROW", "auto")
 
 if AVAILABLE:
     from .gluon_fwd import _expect, _load_kv  # the K/V ring refill and its expected bytes, shared with the forward

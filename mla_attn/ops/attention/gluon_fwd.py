@@ -167,11 +167,12 @@ ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "auto")
 # (PV overlap, 4 stages, Q in registers, no head pairs); padded ones (72, 88: 64 + 16 or 32 with TMA's zero fill)
 # take the plain schedule with 128 rows capped at 128 registers (no spills on sm_90a). H100 (e593a4d, session 33,
 # 4 x 32 x 2048 causal, against the forward before): 64 1.18x, GQA 64 1.18x, 80 1.15-1.17x, 96 1.14-1.19x;
-# 72 1.04-1.08x, 88 1.08x; the 64-row blocks at 128 and 192/128 were 0.81-0.92x (not taken). Those tiles pass
-# their GPU tests (head-major inputs, called with explicit tiles), but the routing has not run on a GPU, nor
-# token-major inputs on 64-row blocks, so it is off until it has: "auto" takes those widths, "0" (default) none.
-# MLA_ATTN_GLUON_NARROW=auto turns it on.
-NARROW = os.environ.get("MLA_ATTN_GLUON_NARROW", "0")
+# 72 1.04-1.08x, 88 1.08x; the 64-row blocks at 128 and 192/128 were 0.81-0.92x (not taken). Routed through the op
+# with DKDV_NARROW too (H100, 1be8d80, session 34): the flash-attention GPU tests pass with both on (136 + 127),
+# and at 4 x 32 x 2048 the forward reads 0.88 (64), 0.87 (72), 0.90 (GQA 72), 1.00 (80), 1.00 (96) of SDPA, fwd+bwd
+# 0.89-0.91 (0.78-0.83 before).
+# "auto" (default): those widths; "0": none. MLA_ATTN_GLUON_NARROW overrides.
+NARROW = os.environ.get("MLA_ATTN_GLUON_NARROW", "auto")
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:
