@@ -18,6 +18,8 @@
 #   ONLY=gluonoddbench bash scripts/gpu_check.sh [OUTDIR]   fwd / fwd+bwd at odd widths, Triton / Gluon / SDPA
 #   ONLY=occupancy bash scripts/gpu_check.sh [OUTDIR]   narrow heads (64-96), two Gluon programs an SM (forward:
 #     NARROW; dK/dV: DKDV_NARROW): their tests, the forward's tiles against the one in use, --dkdv-narrow
+#   ONLY=spread bash scripts/gpu_check.sh [OUTDIR]   the 192/128 and GQA issue rows against SDPA over rounds of fresh
+#     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -121,6 +123,14 @@ if [ "${ONLY:-}" = occupancy ]; then
   step "gluon GPU tests: two programs an SM" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu --maxfail=6 tests/ops/test_attention_gluon.py -k 'two_per_sm or narrow or through_the_op or routes or (dkdv_matches_oracle and rows64)' 2>&1 | tee '$out/gpu_occupancy_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench forward occupancy" "$(lim 240)" $PY scripts/bench_attention.py --fwd-occupancy "$out/bench_fwd_occupancy.md"
   step "bench dK/dV narrow tiles" "$(lim 200)" $PY scripts/bench_attention.py --dkdv-narrow "$out/bench_dkdv_narrow.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = spread ]; then
+  # Session 34: the issue rows whose ratio to SDPA moves most between runs, timed over rounds of fresh inputs
+  # (scripts/bench_row_repeat.py): every round's ratio, the median and the range.
+  step "row spread: 4 x 128 x 2048, 192/128" "$(lim 200)" $PY scripts/bench_row_repeat.py --rounds 9 --out "$out/bench_row_repeat_192.md"
+  step "row spread: GQA 8 x 32/8 x 2048" "$(lim 150)" $PY scripts/bench_row_repeat.py --row 8,32,8,2048,128,128 --rounds 5 --out "$out/bench_row_repeat_gqa.md"
   echo "gpu_check status: $status"
   exit $status
 fi

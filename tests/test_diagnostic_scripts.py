@@ -228,3 +228,26 @@ def test_plot_odd_widths_reads_the_bench_table():
     assert [r["label"].split("\n")[0] for r in rows] == ["64/64", "40/40", "72/72", "72/72", "80/80", "96/96",
                                                           "160/160"]
     assert rows[-1]["fwd+bwd"] == [28.0, 28.0, 252.0, 262.0] and rows[2]["fwd"] == [100.0, 212.0, 217.0, 289.0]
+
+
+def test_row_repeat_ratios_and_median(tmp_path, monkeypatch):
+    """scripts/bench_row_repeat.py: each round's ratio is SDPA's time over ours, its TF/s from the causal FLOPs,
+    and the summary line's median and range come from those rounds (timings fed, one per round and mode)."""
+    import bench_attention as ba
+    import bench_row_repeat as rr
+
+    feed = iter([(2.0, 1.8), (1.0, 0.9), (2.0, 1.9), (1.0, 1.0), (2.0, 1.6), (1.0, 0.8)])  # (ours, SDPA) ms
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(ba, "_inputs", lambda *a, **kw: (None, None, None))
+    monkeypatch.setattr(ba, "_ms_pair", lambda fa, fb, grads=None: next(feed))
+    out = tmp_path / "r.md"
+    rr.main(["--row", "1,2,1,1000,64,64", "--rounds", "3", "--out", str(out)])
+    text = out.read_text()
+    rows = [r for r in text.splitlines() if r.startswith("| 0 |") or r.startswith("| 1 |") or r.startswith("| 2 |")]
+    # forward FLOPs 2 * 1 * 2 * 1000^2 * 128 / 2 = 2.56e8: at 2 ms 0.128 TF/s rounds to "0"; check the ratios
+    assert [r.split(" | ")[3] for r in rows] == ["0.900", "0.950", "0.800"]
+    assert [r.split(" | ")[6].rstrip(" |") for r in rows] == ["0.900", "1.000", "0.800"]
+    assert "no_grad 0.900 (range 0.800-0.950), grad mode 0.900 (range 0.800-1.000)" in text
+    with pytest.raises(SystemExit):
+        rr.main(["--row", "1,2"])
