@@ -129,8 +129,8 @@ fi
 if [ "${ONLY:-}" = spread ]; then
   # Session 34: the issue rows whose ratio to SDPA moves most between runs, timed over rounds of fresh inputs
   # (scripts/bench_row_repeat.py): every round's ratio, the median and the range.
-  step "row spread: 4 x 128 x 2048, 192/128" "$(lim 200)" $PY scripts/bench_row_repeat.py --rounds 9 --out "$out/bench_row_repeat_192.md"
-  step "row spread: GQA 8 x 32/8 x 2048" "$(lim 150)" $PY scripts/bench_row_repeat.py --row 8,32,8,2048,128,128 --rounds 5 --out "$out/bench_row_repeat_gqa.md"
+  step "row spread: 4 x 128 x 2048, 192/128" "$(lim 200)" $PY scripts/bench_row_repeat.py --rounds 9 --direct --out "$out/bench_row_repeat_192.md"
+  step "row spread: GQA 8 x 32/8 x 2048" "$(lim 150)" $PY scripts/bench_row_repeat.py --row 8,32,8,2048,128,128 --rounds 5 --direct --out "$out/bench_row_repeat_gqa.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -252,3 +252,30 @@ def test_row_repeat_ratios_and_median(tmp_path, monkeypatch):
     assert "no_grad 0.900 (range 0.800-0.950), grad mode 0.900 (range 0.800-1.000)" in text
     with pytest.raises(SystemExit):
         rr.main(["--row", "1,2"])
+
+
+def test_row_repeat_direct_column(tmp_path, monkeypatch):
+    """--direct: the Gluon kernel called directly, timed against the op under no_grad; its column is the op's
+    rate over the direct call's, and a row the op does not route to Gluon prints '-' there."""
+    import bench_attention as ba
+    import bench_row_repeat as rr
+
+    # per round: no_grad (ours, SDPA), then (op, direct), then grad mode (ours, SDPA); ms
+    feed = iter([(2.0, 1.8), (2.0, 1.6), (1.0, 0.9), (2.0, 1.8), (2.2, 2.0), (1.0, 0.9)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(ba, "_inputs", lambda *a, **kw: (None, None, None))
+    monkeypatch.setattr(ba, "_ms_pair", lambda fa, fb, grads=None: next(feed))
+    monkeypatch.setattr(rr, "_direct", lambda q, k, v, scale: (lambda: None))
+    out = tmp_path / "r.md"
+    rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "2", "--direct", "--out", str(out)])
+    text = out.read_text()
+    rows = [r for r in text.splitlines() if r[:4] in ("| 0 ", "| 1 ")]
+    # direct at 1.6 ms: 800 TF/s, op / direct 1.6 / 2.0 = 0.800; then 2.0 / 2.2 = 0.909
+    assert [r.strip(" |").split(" | ")[-2:] for r in rows] == [["800", "0.800"], ["640", "0.909"]]
+    assert "op / direct kernel (no_grad) 0.855 (range 0.800-0.909)" in text
+    monkeypatch.setattr(rr, "_direct", lambda q, k, v, scale: None)
+    feed = iter([(2.0, 1.8), (1.0, 0.9)])
+    rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "1", "--direct", "--out", str(out)])
+    row, = [r for r in out.read_text().splitlines() if r.startswith("| 0 ")]
+    assert row.strip(" |").split(" | ")[-2:] == ["-", "-"]
