@@ -25,7 +25,7 @@ import bench_attention as ba  # noqa: E402
 
 def _direct(q, k, v, scale):
     """The Gluon forward called directly with what the op would pass it, or None where the op does not route
-    these inputs to it (its output checked against the op's once)."""
+    these inputs to it or the direct call's output is not bit for bit the op's (then a warning says so)."""
     from mla_attn.ops.attention import function
 
     if not function._gluon_takes(q, k, v):
@@ -36,8 +36,10 @@ def _direct(q, k, v, scale):
         return gluon_fwd.flash_fwd_gluon(q, k, v, causal=True, scale=scale, token_major=function.GLUON_TOKEN_MAJOR)[0]
 
     diff = (call().float() - ba._ours(q, k, v, scale).float()).abs().max().item()
-    if diff != 0.0:
-        raise RuntimeError(f"the direct Gluon call differs from the op by {diff}: not the same kernel")
+    if diff != 0.0:  # not the kernel the op ran: no column, rather than a comparison of two different things
+        print(f"bench_row_repeat: the direct Gluon call differs from the op by {diff}; its column is left '-'",
+              file=sys.stderr)
+        return None
     return call
 
 
