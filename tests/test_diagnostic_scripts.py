@@ -230,17 +230,25 @@ def test_plot_odd_widths_reads_the_bench_table():
     assert rows[-1]["fwd+bwd"] == [28.0, 28.0, 252.0, 262.0] and rows[2]["fwd"] == [100.0, 212.0, 217.0, 289.0]
 
 
-def test_row_repeat_ratios_and_median(tmp_path, monkeypatch):
-    """scripts/bench_row_repeat.py: each round's ratio is SDPA's time over ours, its TF/s from the causal FLOPs,
-    and the summary line's median and range come from those rounds (timings fed, one per round and mode)."""
+def _stub_row_repeat(monkeypatch, timings):
+    """scripts/bench_row_repeat.py with no GPU: inputs stubbed, and each A B B A pair it times returns the next
+    (first, second) milliseconds from ``timings`` (an iterator the test may swap: ``feed[0]``)."""
     import bench_attention as ba
-    import bench_row_repeat as rr
 
-    feed = iter([(2.0, 1.8), (1.0, 0.9), (2.0, 1.9), (1.0, 1.0), (2.0, 1.6), (1.0, 0.8)])  # (ours, SDPA) ms
+    feed = [iter(timings)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
     monkeypatch.setattr(ba, "_inputs", lambda *a, **kw: (None, None, None))
-    monkeypatch.setattr(ba, "_ms_pair", lambda fa, fb, grads=None: next(feed))
+    monkeypatch.setattr(ba, "_ms_pair", lambda fa, fb, grads=None: next(feed[0]))
+    return feed
+
+
+def test_row_repeat_ratios_and_median(tmp_path, monkeypatch):
+    """scripts/bench_row_repeat.py: each round's ratio is SDPA's time over ours, its TF/s from the causal FLOPs,
+    and the summary line's median and range come from those rounds (timings fed, one per round and mode)."""
+    import bench_row_repeat as rr
+
+    _stub_row_repeat(monkeypatch, [(2.0, 1.8), (1.0, 0.9), (2.0, 1.9), (1.0, 1.0), (2.0, 1.6), (1.0, 0.8)])  # ms
     out = tmp_path / "r.md"
     rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "3", "--out", str(out)])
     text = out.read_text()
@@ -257,15 +265,10 @@ def test_row_repeat_ratios_and_median(tmp_path, monkeypatch):
 def test_row_repeat_direct_column(tmp_path, monkeypatch):
     """--direct: the Gluon kernel called directly, timed against the op under no_grad; its column is the op's
     rate over the direct call's, and a row the op does not route to Gluon prints '-' there."""
-    import bench_attention as ba
     import bench_row_repeat as rr
 
     # per round: no_grad (ours, SDPA), then (op, direct), then grad mode (ours, SDPA); ms
-    feed = iter([(2.0, 1.8), (2.0, 1.6), (1.0, 0.9), (2.0, 1.8), (2.2, 2.0), (1.0, 0.9)])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
-    monkeypatch.setattr(ba, "_inputs", lambda *a, **kw: (None, None, None))
-    monkeypatch.setattr(ba, "_ms_pair", lambda fa, fb, grads=None: next(feed))
+    feed = _stub_row_repeat(monkeypatch, [(2.0, 1.8), (2.0, 1.6), (1.0, 0.9), (2.0, 1.8), (2.2, 2.0), (1.0, 0.9)])
     monkeypatch.setattr(rr, "_direct", lambda q, k, v, scale: (lambda: None))
     out = tmp_path / "r.md"
     rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "2", "--direct", "--out", str(out)])
@@ -275,7 +278,7 @@ def test_row_repeat_direct_column(tmp_path, monkeypatch):
     assert [r.strip(" |").split(" | ")[-2:] for r in rows] == [["800", "0.800"], ["640", "0.909"]]
     assert "op / direct kernel (no_grad) 0.855 (range 0.800-0.909)" in text
     monkeypatch.setattr(rr, "_direct", lambda q, k, v, scale: None)
-    feed = iter([(2.0, 1.8), (1.0, 0.9)])
+    feed[0] = iter([(2.0, 1.8), (1.0, 0.9)])
     rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "1", "--direct", "--out", str(out)])
     row, = [r for r in out.read_text().splitlines() if r.startswith("| 0 ")]
     assert row.strip(" |").split(" | ")[-2:] == ["-", "-"]
