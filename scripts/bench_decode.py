@@ -160,22 +160,6 @@ def _fused_variants(cands, layered, names):
                 layered[tag] = (lambda mk=layered[name], on=on: _fused(mk(), on))
 
 
-def _prefetch_variants(cands, layered, names):
-    """Add 'NAME pf0/pf1/pf2 #r' rows (the call and its 8-layer step) with triton_decode.PREFETCH at 0, 1 and 2 key
-    tiles, and 'sdpa #r' between rounds, in two rotated rounds so that drift in the GPU's clocks favours none."""
-    for r in (1, 2):
-        for name in names:
-            order = (0, 1, 2) if r == 1 else (2, 1, 0)
-            for pf in order:
-                tag = f"{name} pf{pf} #{r}"
-                cands[tag] = _with_decode_flag(cands[name], "PREFETCH", pf)
-                if name in layered:
-                    layered[tag] = (lambda mk=layered[name], pf=pf: _with_decode_flag(mk(), "PREFETCH", pf))
-        if "sdpa" in cands:
-            cands[f"sdpa #{r}"] = cands["sdpa"]
-            layered[f"sdpa #{r}"] = layered["sdpa"]
-
-
 def _no_gluon(fn):
     """fn with the Gluon MLA kernel switched off."""
     return _with_decode_flag(fn, "GLUON_MLA", False)
@@ -292,8 +276,6 @@ def bench_gqa(args, gen, rows, configs=None):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if args.fused_variants:
             _fused_variants(cands, layered, ["triton", "triton-paged64"])
-        if args.prefetch_variants:  # contiguous only: paged calls never prefetch (triton_decode._prefetch_plan)
-            _prefetch_variants(cands, layered, ["triton"])
         if configs:
             for name, cfg in configs(hq // hkv).items():
                 cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
@@ -545,9 +527,6 @@ def main():
                     help="with --graph: also time N steps over N cache copies in one graph, per step (0: off)")
     ap.add_argument("--balance-variants", action="store_true",
                     help="also time the contiguous and paged-64 calls with the balanced split forced on and off")
-    ap.add_argument("--prefetch-variants", action="store_true",
-                    help="also time GQA contiguous with the L2 prefetch of the first 0 / 1 / 2 key tiles "
-                         "(triton_decode.PREFETCH), in two rotated rounds with SDPA between them")
     ap.add_argument("--fused-variants", action="store_true",
                     help="also time GQA and MLA H <= 16 with the fused merge forced on and off "
                          "(twice each, alternating)")

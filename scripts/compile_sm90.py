@@ -82,8 +82,6 @@ def main():
     ap.add_argument("--split", action="store_true", help="decode --gqa: the head split (72 = 64 + 16; _head_split)")
     ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
-    ap.add_argument("--prefetch", type=int, default=0, metavar="TILES",
-                    help="decode: the L2 prefetch of the first TILES key tiles (PF_ROWS; triton_decode._prefetch_plan)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
     ap.add_argument("--dedicated", type=int, default=0,
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
@@ -147,15 +145,6 @@ def main():
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged and 64 % b == 0,
                      HAS_K2=not args.gqa or bool(gqa_split and gqa_split[1]), V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1)
-        const.update(PF_ROWS=0, PF_LINE=64, PF_L1=1, PF_L2=1, PF_LV=1)
-        if args.prefetch:  # as _prefetch_plan makes them for a contiguous bf16 cache
-            from mla_attn.ops.decode.triton_decode import _prefetch_plan
-
-            class _Cuda:
-                type = "cuda"
-            const.update(_prefetch_plan(args.prefetch, _Cuda(), False, False, 1, False, 1 << 20, b,
-                                        (dims["D1"], dims["D2"] if const["HAS_K2"] else 0, dims["DV"]), 2))
-            print("prefetch:", {k: v for k, v in const.items() if k.startswith("PF_")})
         if args.fused:
             rows, chunk = map(int, args.fused.split(","))
             const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)
@@ -382,8 +371,7 @@ def main():
           f"{spills.group(1) + '/' + spills.group(2) if spills else '?'}")
     if not regs:
         print("ptxas said:", log.strip()[:600] or f"nothing (exit {res.returncode})")
-    print(f"cp.async in PTX: {kernel.asm['ptx'].count('cp.async.cg')}  wgmma: {kernel.asm['ptx'].count('wgmma.mma_async')}"
-          f"  prefetch.global.L2: {kernel.asm['ptx'].count('prefetch.global.L2')}")
+    print(f"cp.async in PTX: {kernel.asm['ptx'].count('cp.async.cg')}  wgmma: {kernel.asm['ptx'].count('wgmma.mma_async')}")
     mma = [re.search(r"warpsPerCTA = \[[0-9, ]+\].*instrShape = \[[0-9, ]+\]", line)
            for line in kernel.asm["ttgir"].splitlines() if "nvidia_mma" in line and line.startswith("#")]
     print("mma layouts:", "; ".join(m.group(0) for m in mma if m) or "none")

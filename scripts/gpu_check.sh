@@ -18,8 +18,6 @@
 #   ONLY=gluonoddbench bash scripts/gpu_check.sh [OUTDIR]   fwd / fwd+bwd at odd widths, Triton / Gluon / SDPA
 #   ONLY=occupancy bash scripts/gpu_check.sh [OUTDIR]   narrow heads (64-96), two Gluon programs an SM (forward:
 #     NARROW; dK/dV: DKDV_NARROW): their tests, the forward's tiles against the one in use, --dkdv-narrow
-#   ONLY=prefetch bash scripts/gpu_check.sh [OUTDIR]   the decode's L2 prefetch of the first keys (PREFETCH): its tests,
-#     large-batch GQA with it at 0 / 1 / 2 tiles against SDPA (graph replays)
 #   ONLY=spread bash scripts/gpu_check.sh [OUTDIR]   the 192/128 and GQA issue rows against SDPA over rounds of fresh
 #     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
@@ -125,14 +123,6 @@ if [ "${ONLY:-}" = occupancy ]; then
   step "gluon GPU tests: two programs an SM" "$(lim 360)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu --maxfail=6 tests/ops/test_attention_gluon.py -k 'two_per_sm or narrow or through_the_op or routes or (dkdv_matches_oracle and rows64)' 2>&1 | tee '$out/gpu_occupancy_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
   step "bench forward occupancy" "$(lim 240)" $PY scripts/bench_attention.py --fwd-occupancy "$out/bench_fwd_occupancy.md"
   step "bench dK/dV narrow tiles" "$(lim 200)" $PY scripts/bench_attention.py --dkdv-narrow "$out/bench_dkdv_narrow.md"
-  echo "gpu_check status: $status"
-  exit $status
-fi
-if [ "${ONLY:-}" = prefetch ]; then
-  # Session 35: the decode's L2 prefetch of each program's first keys (triton_decode.PREFETCH, off): its GPU tests
-  # with the GQA ones beside it, then large-batch GQA graph replays with it at 0 / 1 / 2 tiles against SDPA.
-  step "decode tests: L2 prefetch" "$(lim 240)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py -k 'prefetch or gqa_decode_bf16 or paged_wide or batch1' 2>&1 | tee '$out/gpu_prefetch_tests.log' | tail -30; exit \${PIPESTATUS[0]}"
-  step "bench decode prefetch" "$(lim 300)" $PY scripts/bench_decode.py --only gqa --graph --prefetch-variants --shapes gqa32,gqa128 --out "$out/bench_decode_prefetch.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -587,33 +587,6 @@ def test_out_of_resources_falls_back_to_smaller_tiles(monkeypatch):
         td.mla_decode(ql, qr, c, kr, seq_lens, None, 0.125, 2, config=td.DecodeConfig(16, 32, 4, 1))
 
 
-def test_prefetch_plan_rule(monkeypatch):
-    """Where the L2 prefetch of the first keys (td.PREFETCH) applies: a GPU, not the interpreter, a contiguous
-    cache, one split, a cache holding every row asked for; its lines a row, a power of two, from the element size."""
-    cuda = torch.device("cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    args = dict(paged=False, balanced=False, num_splits=1, fused=False, capacity=4096, block_n=128)
-    assert td._prefetch_plan(1, cuda, widths=(128, 0, 128), element_size=2, **args) == dict(
-        PF_ROWS=128, PF_LINE=64, PF_L1=2, PF_L2=1, PF_LV=2)
-    assert td._prefetch_plan(2, cuda, widths=(512, 64, 512), element_size=2, **args) == dict(
-        PF_ROWS=256, PF_LINE=64, PF_L1=8, PF_L2=1, PF_LV=8)
-    assert td._prefetch_plan(1, cuda, widths=(64, 8, 72), element_size=4, **args) == dict(
-        PF_ROWS=128, PF_LINE=32, PF_L1=2, PF_L2=1, PF_LV=4)  # fp32: 32 a line; 72 -> 3 lines -> 4
-    assert td._prefetch_plan(0, cuda, widths=(128, 0, 128), element_size=2, **args) == {}
-    assert td._prefetch_plan(1, torch.device("cpu"), widths=(128, 0, 128), element_size=2, **args) == {}
-    for change in (dict(paged=True), dict(balanced=True), dict(num_splits=2), dict(fused=True), dict(capacity=127)):
-        assert td._prefetch_plan(1, cuda, widths=(128, 0, 128), element_size=2, **{**args, **change}) == {}, change
-    assert td._prefetch_plan(1, cuda, widths=(128, 0, 128), element_size=2, **{**args, "capacity": 128})
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # no inline PTX there
-    assert td._prefetch_plan(1, cuda, widths=(128, 0, 128), element_size=2, **args) == {}
-
-
-def test_prefetch_switch_values():
-    with pytest.raises(ValueError, match="MLA_ATTN_DECODE_PREFETCH must be 0, 1, 2 or 4 .* got '3'"):
-        td._env_tiles("MLA_ATTN_DECODE_PREFETCH", "3")
-    assert [td._env_tiles("MLA_ATTN_DECODE_PREFETCH", x) for x in "0124"] == [0, 1, 2, 4]
-
-
 # ----------------------------------------------------------------------------------------------
 # GPU: bf16 at benchmark-like shapes, heuristic == single split, CUDA-graph replay.
 
@@ -732,40 +705,6 @@ def test_gqa_paged_wide_tile_gpu():
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, 128 ** -0.5, None)
     ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=128 ** -0.5)
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 128 ** -0.5), BF16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_decode_prefetch_gpu(tiles, monkeypatch):
-    """The L2 prefetch of the first keys (td.PREFETCH) on: GQA d 128 (B 4 one split, B 32 strided caches with NaN
-    past each length), GQA d 72 (the head split's second score block), MLA 512 / 64 (one split), bf16 against the
-    oracle. Each call must have taken the prefetch (its plan recorded), so none passes without it."""
-    monkeypatch.setattr(td, "PREFETCH", tiles)
-    taken = []
-    real = td._prefetch_plan
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        taken.append(bool(out))
-        return out
-
-    monkeypatch.setattr(td, "_prefetch_plan", spy)
-    cases = [(4, 32, 8, 128, [3000, 0, 1, 777], False, 1), (32, 32, 8, 128, [257 + 61 * i for i in range(32)], True, None),
-             (32, 32, 8, 72, [500 + 37 * i for i in range(32)], False, None)]
-    for b, hq, hkv, d, lens, strided, splits in cases:
-        taken.clear()
-        q, k, v, seq_lens, _ = _gqa_inputs(b, hq, hkv, d, d, 1, lens, None, BF16, strided=strided, seed=b)
-        o, lse = td.gqa_decode(q, k, v, seq_lens, None, d ** -0.5, splits)
-        assert taken and all(taken), (b, d)
-        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, scale=d ** -0.5)
-        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, None, d ** -0.5), BF16)
-    taken.clear()
-    monkeypatch.setattr(td, "GLUON_MLA", False)
-    ql, qr, c, kr, seq_lens, _ = _mla_inputs(3, 16, 512, 64, 1, [2000, 0, 300], None, BF16, seed=11)
-    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, None, 192 ** -0.5, 1)
-    assert taken and all(taken)
-    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=192 ** -0.5)
-    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, None, 192 ** -0.5), BF16)
 
 
 @pytest.mark.gpu

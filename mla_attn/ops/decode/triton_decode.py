@@ -36,18 +36,6 @@ _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN
 
 
 @triton.jit
-def _prefetch_l2(base, stride_t, stride_d, D, ROWS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for rows [0, ROWS) x columns [0, D) of a cache slice, a 128-byte line at a time (LINE elements;
-    LINES lines a row, the last clamped onto the row's last element). ``prefetch.global.L2`` neither waits nor
-    writes a register: the program goes on to its first tile's loads, which then find the lines in L2."""
-    o_t = tl.arange(0, ROWS)
-    o_c = tl.minimum(tl.arange(0, LINES) * LINE, D - 1)
-    ptrs = base + o_t[:, None] * stride_t + o_c[None, :] * stride_d
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _attend(
     Q1, Q2, K1, K2, V, BLOCK_TABLE, O, LSE,
     qk_scale, GROUP,
@@ -277,9 +265,6 @@ def _decode_kernel(
     STRIDE_UNIT: tl.constexpr = 1,  # the leading strides of q, the cache and o came divided by it (_stride_unit)
     BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
     MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
-    PF_ROWS: tl.constexpr = 0,  # > 0: the first PF_ROWS keys asked of L2 before seq_len is known (_prefetch_plan)
-    PF_LINE: tl.constexpr = 64,  # PF_ROWS: elements in a 128-byte line
-    PF_L1: tl.constexpr = 1, PF_L2: tl.constexpr = 1, PF_LV: tl.constexpr = 1,  # lines a row (powers of two)
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -330,19 +315,6 @@ def _decode_kernel(
             i_b += 1
     else:
         i_b = i_bk // num_kv_heads
-        if PF_ROWS > 0:
-            # Contiguous cache, one split: this program's keys start at 0 whatever seq_len is, so they can be asked
-            # of L2 while seq_len's load, which the first tile's loads wait for, is in flight.
-            pb = i_b.to(tl.int64)
-            ph = i_kvh.to(tl.int64)
-            _prefetch_l2(K1 + pb * stride_k1o + ph * stride_k1h, stride_k1t, stride_k1d, D1, PF_ROWS,
-                         PF_L1, PF_LINE)
-            if HAS_K2:
-                _prefetch_l2(K2 + pb * stride_k2o + ph * stride_k2h, stride_k2t, stride_k2d, D2, PF_ROWS,
-                             PF_L2, PF_LINE)
-            if not V_IS_K1:
-                _prefetch_l2(V + pb * stride_vo + ph * stride_vh, stride_vt, stride_vd, DV, PF_ROWS,
-                             PF_LV, PF_LINE)
         seq_len = tl.load(SEQ_LENS + i_b)
         # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
         split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -605,39 +577,6 @@ def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) ->
 # split, and cost more than the combine launch they replace. MLA_ATTN_FUSED_MERGE=1 turns it on.
 FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
 FUSE_STEP = 8192
-
-
-def _env_tiles(name: str, raw: str) -> int:
-    if raw not in ("0", "1", "2", "4"):
-        raise ValueError(f"{name} must be 0, 1, 2 or 4 (key tiles), got {raw!r}")
-    return int(raw)
-
-
-# L2 prefetch of each program's first keys (PF_ROWS in the kernel; experimental, off). A program reads its
-# sequence's length before any key: its first tile's loads are predicated on the loop bound, so they wait for
-# that load's round trip to memory, about 1 us a wave of programs, which SDPA, reading no lengths, does not pay.
-# Large-batch GQA decode trailed SDPA by about that much on the H200 (B 32: 250.3 against 247.4 us, 637252e).
-# With a contiguous cache and one split a program's keys start at 0 whatever its length, so the first PREFETCH
-# tiles' lines are asked of L2 (prefetch.global.L2, which waits for nothing) before the length is loaded.
-# Paged caches are left out: their first page number is not known to be valid before the length is.
-# MLA_ATTN_DECODE_PREFETCH=1 (or 2, 4 tiles) turns it on; bench_decode.py --prefetch-variants times it.
-PREFETCH = _env_tiles("MLA_ATTN_DECODE_PREFETCH", os.environ.get("MLA_ATTN_DECODE_PREFETCH", "0"))
-
-
-def _prefetch_plan(tiles: int, device: torch.device, paged: bool, balanced: bool, num_splits: int, fused: bool,
-                   capacity: int, block_n: int, widths: tuple[int, int, int], element_size: int) -> dict:
-    """The kernel's prefetch arguments (PF_*) for a call, or {} where it does not apply: off, not compiled for a GPU
-    (the interpreter has no inline PTX), a paged cache, a split or balanced call (keys start past 0), or a cache
-    of fewer than the rows asked for (every line asked for must lie inside the cache)."""
-    if (tiles <= 0 or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or paged or balanced
-            or num_splits != 1 or fused):
-        return {}
-    rows = block_n * tiles
-    if capacity < rows:
-        return {}
-    line = 128 // element_size
-    l1, l2, lv = (next_pow2(max(1, cdiv(d, line))) for d in widths)
-    return dict(PF_ROWS=rows, PF_LINE=line, PF_L1=l1, PF_L2=l2, PF_LV=lv)
 FUSE_MAX_STEPS = 4
 _TICKET_SLOTS = 1 << 16
 _tickets: dict = {}
@@ -713,7 +652,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN, PREFETCH)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -813,8 +752,6 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1], MERGE_DV=_pow2(d_v)) if fused else {}),
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
-                **_prefetch_plan(PREFETCH, device, paged, balanced, num_splits, fused is not None, capacity, block_n,
-                                 (d1, d2, d_v), q1.element_size()),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
