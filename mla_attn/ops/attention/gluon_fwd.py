@@ -143,6 +143,8 @@ S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
 # the kernel. EXPERIMENTAL, off: correct on the H200 (0b1dc69, 20 GPU tests, grid and persistent), but no
 # gain: five rotated rounds against the grid put the grid with it at +0.4 to +1.1% (noise level) and the
 # persistent snake with it 0.7-5.5% behind the snake without (docs/raw/bench_gluon_tail_0b1dc69.md).
+# H100 (session 37, bench_row_repeat medians over alternating calls): 4 x 128 x 2048 192/128 0.933 on / 0.938 off
+# of SDPA, 2 x 16 x 8192 192/128 0.983 / 0.973 (docs/raw/bench_row_repeat_tail_9c8f9f0_h100.md).
 # MLA_ATTN_GLUON_TAIL=1 turns it on.
 TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 # Head pairs (``PAIR`` in the kernel): with GQA and an even group, a 128-row block is 64 rows of each of two
