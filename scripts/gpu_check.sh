@@ -19,7 +19,8 @@
 #   ONLY=occupancy bash scripts/gpu_check.sh [OUTDIR]   narrow heads (64-96), two Gluon programs an SM (forward:
 #     NARROW; dK/dV: DKDV_NARROW): their tests, the forward's tiles against the one in use, --dkdv-narrow
 #   ONLY=spread bash scripts/gpu_check.sh [OUTDIR]   the 192/128 and GQA issue rows against SDPA over rounds of fresh
-#     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py)
+#     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py); the GQA decode rows the same way
+#     (scripts/decode_rounds.py)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -131,6 +132,8 @@ if [ "${ONLY:-}" = spread ]; then
   # (scripts/bench_row_repeat.py): every round's ratio, the median and the range.
   step "row spread: 4 x 128 x 2048, 192/128" "$(lim 200)" $PY scripts/bench_row_repeat.py --rounds 9 --direct --out "$out/bench_row_repeat_192.md"
   step "row spread: GQA 8 x 32/8 x 2048" "$(lim 150)" $PY scripts/bench_row_repeat.py --row 8,32,8,2048,128,128 --rounds 5 --direct --out "$out/bench_row_repeat_gqa.md"
+  # Session 38: the GQA decode rows (B 1 / 32 / 128) the same way, graph replay and 8-layer step (decode_rounds.py)
+  step "row spread: GQA decode B 1 / 32 / 128" "$(lim 200)" $PY scripts/decode_rounds.py --rounds 5 --out "$out/decode_rounds.md"
   echo "gpu_check status: $status"
   exit $status
 fi

@@ -282,3 +282,33 @@ def test_row_repeat_direct_column(tmp_path, monkeypatch):
     rr.main(["--row", "1,1,1,100000,64,64", "--rounds", "1", "--direct", "--out", str(out)])
     row, = [r for r in out.read_text().splitlines() if r.startswith("| 0 ")]
     assert row.strip(" |").split(" | ")[-2:] == ["-", "-"]
+
+
+def test_decode_rounds_ratios_and_medians(tmp_path, monkeypatch):
+    """scripts/decode_rounds.py: each round's ratio is SDPA's time over ours, GB/s from the row's cache bytes, and
+    the medians and ranges come from those rounds; the A B B A pair averages each side's two runs."""
+    import bench_decode as bd
+    import decode_rounds as dr
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda s, x: s})())
+    # per round (graph, 8-layer step) as (ours, SDPA) seconds
+    feed = iter([((100e-6, 99e-6), (90e-6, 91e-6)), ((100e-6, 101e-6), (90e-6, 90e-6)),
+                 ((100e-6, 100e-6), (90e-6, 88.2e-6))])
+    monkeypatch.setattr(dr, "_round", lambda b, hq, hkv, length, gen, layers: dict(zip(("graph", "layers"), next(feed))))
+    out = tmp_path / "d.md"
+    dr.main(["--shapes", "gqa32", "--rounds", "3", "--out", str(out)])
+    text = out.read_text()
+    rows = [r for r in text.splitlines() if r[:4] in ("| 0 ", "| 1 ", "| 2 ")]
+    # B 32 x 8192 tokens x 8 KV heads x (128 + 128) x 2 bytes = 1.0737e9 bytes: 10737 GB/s at 100 us, 11930 at 90
+    assert rows[0].strip(" |").split(" | ")[1:] == ["100.0", "99.0", "10737", "0.9900", "90.0", "91.0", "11930", "1.0111"]
+    assert [r.split(" | ")[4] for r in rows] == ["0.9900", "1.0100", "1.0000"]
+    assert "gqa32 graph: median ratio 1.0000 (range 0.9900-1.0100), ours median 10737 GB/s" in text
+    assert "gqa32 8-layer step: median ratio 1.0000 (range 0.9800-1.0111), ours median 11930 GB/s" in text
+    for bad in (["--shapes", "gqa5"], ["--rounds", "0"], ["--layers", "-1"], ["--shapes", ""]):
+        with pytest.raises(SystemExit):
+            dr.main(bad)
+    runs = iter([1.0, 5.0, 7.0, 3.0])  # A B B A
+    monkeypatch.setattr(bd, "_bench", lambda fn: next(runs))
+    assert dr._pair(None, None) == (2.0, 6.0)
