@@ -51,7 +51,7 @@ def _round(b, hq, hkv, length, gen, layers):
     def sdpa(kk=k, vv=v):
         return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-    err = (ours().float().view(b, hq, D) - sdpa().float().view(b, hq, D)).abs().max().item()
+    err = (ours().float().reshape(b, hq, D) - sdpa().float().reshape(b, hq, D)).abs().max().item()
     if not err < 5e-3:  # outputs reach ~0.03-0.08 here, bf16 rounding ~3e-4; zeros or garbage fail (NaN too)
         raise RuntimeError(f"gqa_decode differs from SDPA by {err} at B {b} {hq}/{hkv} L {length}")
     out = {"graph": _pair(bd.capture_graph(ours).replay, bd.capture_graph(sdpa).replay), "layers": None}
