@@ -34,15 +34,15 @@ def _pair(fa, fb):
     return (a1 + a2) / 2, (b1 + b2) / 2
 
 
-def _round(b, hq, hkv, length, gen, layers):
-    """One round over a fresh cache: {"graph": (ours_s, sdpa_s), "layers": (ours_s, sdpa_s) or None}."""
+def _round(b, hq, hkv, length, gen, layers, dev="cuda", dtype=torch.bfloat16):
+    """One round over a fresh cache: {"graph": (ours_s, sdpa_s), "layers": (ours_s, sdpa_s) or None}. ``dev`` and
+    ``dtype`` are for the CPU test (the interpreter's bf16 dots are wrong); the script times CUDA bf16."""
     from mla_attn.ops.decode.triton_decode import gqa_decode
 
-    dev = "cuda"
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)  # SDPA has no varlen decode
-    q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(torch.bfloat16)
-    k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(torch.bfloat16)
-    v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(torch.bfloat16)
+    q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(dtype)
+    k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
+    v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
     scale = D ** -0.5
 
     def ours(kk=k, vv=v):
@@ -51,7 +51,7 @@ def _round(b, hq, hkv, length, gen, layers):
     def sdpa(kk=k, vv=v):
         return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-    err = (ours().float().reshape(b, hq, D) - sdpa().float().reshape(b, hq, D)).abs().max().item()
+    err = (ours()[0].float().reshape(b, hq, D) - sdpa().float().reshape(b, hq, D)).abs().max().item()
     if not err < 5e-3:  # outputs reach ~0.03-0.08 here, bf16 rounding ~3e-4; zeros or garbage fail (NaN too)
         raise RuntimeError(f"gqa_decode differs from SDPA by {err} at B {b} {hq}/{hkv} L {length}")
     out = {"graph": _pair(bd.capture_graph(ours).replay, bd.capture_graph(sdpa).replay), "layers": None}

@@ -312,3 +312,22 @@ def test_decode_rounds_ratios_and_medians(tmp_path, monkeypatch):
     runs = iter([1.0, 5.0, 7.0, 3.0])  # A B B A
     monkeypatch.setattr(bd, "_bench", lambda fn: next(runs))
     assert dr._pair(None, None) == (2.0, 6.0)
+
+
+def test_decode_rounds_round_runs_and_checks(monkeypatch):
+    """decode_rounds._round on the CPU (the decode kernel under the interpreter, graphs and timing stubbed): it
+    checks ours against SDPA before timing, and a wrong kernel stops it rather than being timed."""
+    import bench_decode as bd
+    import decode_rounds as dr
+    from mla_attn.ops.decode import triton_decode
+
+    monkeypatch.setattr(bd, "capture_graph", lambda fn: type("G", (), {"replay": staticmethod(fn)})())
+    calls = []
+    monkeypatch.setattr(bd, "_bench", lambda fn: (calls.append(fn()), 1e-4)[1])
+    gen = torch.Generator().manual_seed(0)
+    res = dr._round(2, 4, 2, 40, gen, 3, dev="cpu", dtype=torch.float32)
+    assert res == {"graph": (1e-4, 1e-4), "layers": (1e-4 / 3, 1e-4 / 3)} and len(calls) == 8
+    real = triton_decode.gqa_decode
+    monkeypatch.setattr(triton_decode, "gqa_decode", lambda *a, **kw: (real(*a, **kw)[0] * 0.5, None))
+    with pytest.raises(RuntimeError, match="differs from SDPA"):
+        dr._round(2, 4, 2, 40, gen, 0, dev="cpu", dtype=torch.float32)
