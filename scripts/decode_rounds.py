@@ -1,9 +1,9 @@
 """The issue's GQA decode rows timed in rounds against SDPA: the spread of the ratio across fresh caches and rounds.
 
 One ``bench_decode.py --graph`` run is a single draw per row, and the large-batch rows sit within about 1% of SDPA
-(on the H200, 0.2-1.3% behind at 637252e; on the H100, tied at B 32 and 1% ahead at B 128), which is the size of
-the run-to-run spread. This times ``--rounds`` rounds, each over a fresh random cache: ``gqa_decode`` and SDPA
-(``enable_gqa=True``), each captured in a CUDA graph, timed A B B A (``triton.testing.do_bench`` medians, the
+(on the H200, 0.2-1.3% behind at 637252e; on H100s, tied to 0.5% behind at B 32 and 0.6-1% ahead at B 128). This
+tells a gap from run-to-run noise: it times ``--rounds`` rounds, each over a fresh random cache: ``gqa_decode`` and
+SDPA (``enable_gqa=True``), each captured in a CUDA graph, timed A B B A (``triton.testing.do_bench`` medians, the
 pair's two runs averaged), and, with ``--layers N``, the per-step time of N steps over N cache copies in one graph
 the same way. It prints every round's times, GB/s of cache read and ratio (SDPA time / ours: above 1 means ours is
 faster), then the medians, so a claim about a row rests on a distribution rather than on one draw.

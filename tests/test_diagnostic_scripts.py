@@ -296,13 +296,15 @@ def test_decode_rounds_ratios_and_medians(tmp_path, monkeypatch):
     # per round (graph, 8-layer step) as (ours, SDPA) seconds
     feed = iter([((100e-6, 99e-6), (90e-6, 91e-6)), ((100e-6, 101e-6), (90e-6, 90e-6)),
                  ((100e-6, 100e-6), (90e-6, 88.2e-6))])
-    monkeypatch.setattr(dr, "_round", lambda b, hq, hkv, length, gen, layers: dict(zip(("graph", "layers"), next(feed))))
+    monkeypatch.setattr(dr, "_round",
+                        lambda b, hq, hkv, length, gen, layers: dict(zip(("graph", "layers"), next(feed))))
     out = tmp_path / "d.md"
     dr.main(["--shapes", "gqa32", "--rounds", "3", "--out", str(out)])
     text = out.read_text()
     rows = [r for r in text.splitlines() if r[:4] in ("| 0 ", "| 1 ", "| 2 ")]
     # B 32 x 8192 tokens x 8 KV heads x (128 + 128) x 2 bytes = 1.0737e9 bytes: 10737 GB/s at 100 us, 11930 at 90
-    assert rows[0].strip(" |").split(" | ")[1:] == ["100.0", "99.0", "10737", "0.9900", "90.0", "91.0", "11930", "1.0111"]
+    assert rows[0].strip(" |").split(" | ")[1:] == ["100.0", "99.0", "10737", "0.9900",
+                                                    "90.0", "91.0", "11930", "1.0111"]
     assert [r.split(" | ")[4] for r in rows] == ["0.9900", "1.0100", "1.0000"]
     assert "gqa32 graph: median ratio 1.0000 (range 0.9900-1.0100), ours median 10737 GB/s" in text
     assert "gqa32 8-layer step: median ratio 1.0000 (range 0.9800-1.0111), ours median 11930 GB/s" in text
