@@ -21,6 +21,8 @@
 #   ONLY=spread bash scripts/gpu_check.sh [OUTDIR]   the 192/128 and GQA issue rows against SDPA over rounds of fresh
 #     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py); the GQA decode rows the same way
 #     (scripts/decode_rounds.py)
+#   ONLY=gqaprobe bash scripts/gpu_check.sh [OUTDIR]   large-batch GQA decode: SDPA's kernels (profiler), and a minimal
+#     copy of our kernel with TMA loads, deeper rings or another program order (scripts/probe_gqa_decode.py)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -134,6 +136,13 @@ if [ "${ONLY:-}" = spread ]; then
   step "row spread: GQA 8 x 32/8 x 2048" "$(lim 150)" $PY scripts/bench_row_repeat.py --row 8,32,8,2048,128,128 --rounds 5 --direct --out "$out/bench_row_repeat_gqa.md"
   # Session 38: the GQA decode rows (B 1 / 32 / 128) the same way, graph replay and 8-layer step (decode_rounds.py)
   step "row spread: GQA decode B 1 / 32 / 128" "$(lim 200)" $PY scripts/decode_rounds.py --rounds 5 --out "$out/decode_rounds.md"
+  echo "gpu_check status: $status"
+  exit $status
+fi
+if [ "${ONLY:-}" = gqaprobe ]; then
+  # Session 39: what SDPA's GQA decode runs (profiler) and a minimal copy of our kernel with one load change at a
+  # time (TMA descriptors, deeper rings, program order) at B 32 / 128 (scripts/probe_gqa_decode.py).
+  step "probe GQA decode loads" "$(lim 240)" $PY scripts/probe_gqa_decode.py --rounds 3 --out "$out/probe_gqa_decode.md"
   echo "gpu_check status: $status"
   exit $status
 fi
