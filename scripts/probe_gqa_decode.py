@@ -14,7 +14,11 @@ timed before and do not close it. This probe asks two further questions in one G
    - ``tma``: the K and V tiles through TMA tensor descriptors (host-built, on the 2-D ``[B * Hkv * L, D]``
      view), pipelined by Triton into a ring of shared-memory buffers;
    - ``tma4``: the same with four stages (three 64 KB buffers in flight, against two);
-   - ``tma64``: TMA over 64-key tiles, four stages (96 KB: two programs an SM).
+   - ``tma64``: TMA over 64-key tiles, four stages (96 KB: two programs an SM);
+   - ``persist`` / ``persist_tma``: one program per SM taking (sequence, KV head) units in turn through one
+     flattened tile loop, so the pipeline runs on from one unit's last tiles into the next unit's first ones
+     instead of draining and refilling at every unit (the unit's state is reset and its output stored inside the
+     loop).
 
    (``eviction_policy="evict_first"`` was meant to be a variant too, but Triton 3.6 drops it from the pipelined
    ``cp.async`` loads: the sm_90a PTX is the same as ``base``'s.)
@@ -47,13 +51,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 D = 128
 _LOG2E = 1.4426950408889634
-# variant -> (load mode, program order kv-major, num_stages, keys per tile)
+# variant -> (load mode, program order: False (b, kv head), True (kv head, b) or "persist", num_stages, keys per tile)
 VARIANTS = {
     "base": ("ptr", False, 3, 128),
     "kvmajor": ("ptr", True, 3, 128),
     "tma": ("tma", False, 3, 128),
     "tma4": ("tma", False, 4, 128),
     "tma64": ("tma", False, 4, 64),
+    "persist": ("ptr", "persist", 3, 128),
+    "persist_tma": ("tma", "persist", 3, 128),
 }
 
 
@@ -103,6 +109,55 @@ def _mini_decode(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
     tl.store(O + (row0 + o_r)[:, None].to(tl.int64) * D + o_d[None, :], b_o.to(O.dtype.element_ty), mask=m_r[:, None])
 
 
+@triton.jit
+def _mini_persist(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
+                  HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+    """_mini_decode's work over num_programs(0) persistent programs: program p takes units p, p + P, ... (unit =
+    b * HKV + kv head), all their tiles in one loop; q is reloaded each tile (1 KB against 64 KB of K and V)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    units = batch * HKV
+    tiles = seq_len // BLOCK_N
+    total = tl.cdiv(units - pid, nprog) * tiles
+    o_r = tl.arange(0, BLOCK_H)
+    m_r = o_r < GROUP
+    o_d = tl.arange(0, D)
+    o_n = tl.arange(0, BLOCK_N)
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    for it in range(0, total):
+        unit = pid + (it // tiles) * nprog
+        t = it % tiles
+        row0 = unit * GROUP
+        key0 = unit.to(tl.int64) * seq_len + t * BLOCK_N
+        b_q = tl.load(Q + (row0 + o_r)[:, None].to(tl.int64) * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+        if MODE == "tma":
+            b_k = KD.load([key0.to(tl.int32), 0])
+        else:
+            b_k = tl.load(K + (key0 + o_n)[:, None] * D + o_d[None, :])
+        first = t == 0
+        b_m = tl.where(first, float("-inf"), b_m)
+        b_l = tl.where(first, 0.0, b_l)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.where(first, 0.0, tl.exp2(b_m - b_m_new))
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
+        if MODE == "tma":
+            b_v = VD.load([key0.to(tl.int32), 0])
+        else:
+            b_v = tl.load(V + (key0 + o_n)[:, None] * D + o_d[None, :])
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+        b_m = b_m_new
+        if t == tiles - 1:
+            b_o = b_acc / b_l[:, None]
+            tl.store(O + (row0 + o_r)[:, None].to(tl.int64) * D + o_d[None, :], b_o.to(O.dtype.element_ty),
+                     mask=m_r[:, None])
+
+
 def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: int = 4):
     """q [B, Hq, 1, D], k / v [B, Hkv, L, D] contiguous, L a multiple of the tile (``block_n``, default the
     variant's): o [B, Hq, 1, D]."""
@@ -123,10 +178,14 @@ def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: in
 
         kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d])
         vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d])
-    _mini_decode[(b * hkv,)](q, k, v, o, kd if kd is not None else k, vd if vd is not None else v,
-                             d ** -0.5 * _LOG2E, b, length, HKV=hkv, GROUP=group, D=d,
-                             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, MODE=mode,
-                             KV_MAJOR=kv_major, num_warps=num_warps, num_stages=stages)
+    args = (q, k, v, o, kd if kd is not None else k, vd if vd is not None else v, d ** -0.5 * _LOG2E, b, length)
+    meta = dict(HKV=hkv, GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+                MODE=mode, num_warps=num_warps, num_stages=stages)
+    if kv_major == "persist":
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 3
+        _mini_persist[(min(b * hkv, sms),)](*args, **meta)
+    else:
+        _mini_decode[(b * hkv,)](*args, KV_MAJOR=kv_major, **meta)
     return o
 
 

@@ -335,10 +335,10 @@ def test_decode_rounds_round_runs_and_checks(monkeypatch):
         dr._round(2, 4, 2, 40, gen, 0, dev="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["base", "kvmajor", "tma", "tma4", "tma64"])
+@pytest.mark.parametrize("variant", ["base", "kvmajor", "tma", "tma4", "tma64", "persist", "persist_tma"])
 def test_probe_gqa_decode_mini_kernel_matches_the_oracle(variant):
     """scripts/probe_gqa_decode.py's minimal GQA decode kernel, every load variant, under the interpreter in fp32
-    (3 sequences, 8/2 and 6/1 heads, two tiles of keys) against the float64 oracle; tolerance 1e-5 (fp32 dots of 128
+    (3 sequences, 8/2 and 6/1 heads, two tiles of keys; the persistent ones on 3 programs, so one takes two units) against the float64 oracle; tolerance 1e-5 (fp32 dots of 128
     terms, softmax over 64 keys; outputs are O(0.1))."""
     import probe_gqa_decode as probe
 
