@@ -212,6 +212,43 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
+def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtype=torch.bfloat16):
+    """One round over a fresh cache: ({kernel: seconds}, markdown lines of the profiled kernels). Every kernel is
+    checked against SDPA first (RuntimeError past 5e-3); the timing order is rotated by ``r``. ``dev`` / ``dtype``
+    are for the CPU test (the interpreter's bf16 dots are wrong); the script times CUDA bf16."""
+    import bench_decode as bd
+
+    from mla_attn.ops.decode.triton_decode import gqa_decode
+
+    seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)
+    q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(dtype)
+    k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
+    v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
+    fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+           "gqa_decode": lambda: gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]}
+    for var in variants:
+        fns[var] = lambda var=var: mini_decode(q, k, v, var)
+    ref = fns["sdpa"]().float().reshape(b, hq, D)
+    for key, fn in fns.items():
+        err = (fn().float().reshape(b, hq, D) - ref).abs().max().item()
+        if not err < 5e-3:  # outputs ~0.03-0.1 here, bf16 rounding ~3e-4; zeros, garbage and NaN fail
+            raise RuntimeError(f"{key} differs from SDPA by {err} at B {b} {hq}/{hkv} L {length}")
+    lines = []
+    if profile:
+        for key in ("sdpa", "gqa_decode", *variants[:1]):
+            lines += [f"Kernels of `{key}` (torch.profiler):", ""]
+            lines += [f"- {row}" for row in kernel_table(fns[key])]
+            lines.append("")
+    graphs = {key: bd.capture_graph(fn) for key, fn in fns.items()}
+    order = list(graphs)
+    order = order[r % len(order):] + order[:r % len(order)]
+    times = {key: _bench(graphs[key].replay) for key in order}
+    del graphs
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return {key: times[key] for key in fns}, lines
+
+
 def main(argv=None):
     import bench_decode as bd
 
@@ -232,8 +269,6 @@ def main(argv=None):
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if not torch.cuda.is_available():
         sys.exit("probe_gqa_decode: needs a CUDA GPU")
-    from mla_attn.ops.decode.triton_decode import gqa_decode
-
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     lines = [f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; commit "
@@ -245,32 +280,11 @@ def main(argv=None):
         lines += [f"## B {b}, {hq}/{hkv}, L {length} ({nbytes / 1e9:.2f} GB of K and V)", ""]
         times = {}
         for r in range(a.rounds):
-            seq_lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-            q = torch.randn(b, hq, 1, D, generator=gen, device="cuda").to(torch.bfloat16)
-            k = torch.randn(b, hkv, length, D, generator=gen, device="cuda").to(torch.bfloat16)
-            v = torch.randn(b, hkv, length, D, generator=gen, device="cuda").to(torch.bfloat16)
-            fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-                   "gqa_decode": lambda: gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]}
-            for var in variants:
-                fns[var] = lambda var=var: mini_decode(q, k, v, var)
-            ref = fns["sdpa"]().float().reshape(b, hq, D)
-            for key, fn in fns.items():
-                err = (fn().float().reshape(b, hq, D) - ref).abs().max().item()
-                if not err < 5e-3:
-                    raise RuntimeError(f"{key} differs from SDPA by {err} at {name}")
-            if r == 0:
-                for key in ("sdpa", "gqa_decode", variants[0]):
-                    lines += [f"Kernels of `{key}` (torch.profiler):", ""]
-                    lines += [f"- {row}" for row in kernel_table(fns[key])]
-                    lines.append("")
-            graphs = {key: bd.capture_graph(fn) for key, fn in fns.items()}
-            order = list(graphs)
-            order = order[r % len(order):] + order[:r % len(order)]
-            for key in order:
-                times.setdefault(key, []).append(_bench(graphs[key].replay))
+            got, prof = _round(b, hq, hkv, length, variants, gen, r, profile=r == 0)
+            lines += prof
+            for key, t in got.items():
+                times.setdefault(key, []).append(t)
             print(name, "round", r, {key: f"{t[-1] * 1e6:.1f}" for key, t in times.items()}, flush=True)
-            del graphs, fns
-            torch.cuda.empty_cache()
         sdpa = statistics.median(times["sdpa"])
         lines += ["| kernel | median us | range us | GB/s | SDPA time / this |", "|---|---|---|---|---|"]
         for key, t in times.items():

@@ -369,3 +369,52 @@ def test_probe_gqa_decode_rejects_what_it_cannot_run():
         probe.mini_decode(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, "base", block_n=32)
     with pytest.raises(SystemExit):
         probe.main(["--variants", "evict"])
+
+
+def test_probe_gqa_decode_round_checks_then_times(monkeypatch):
+    """probe_gqa_decode._round on the CPU (kernels under the interpreter, fp32; graphs, timing and the profiler
+    stubbed): every kernel is compared with SDPA before anything is timed, each is timed once, the profiled
+    kernels are listed, and a wrong variant stops the round instead of being timed."""
+    import bench_decode as bd
+    import probe_gqa_decode as probe
+
+    monkeypatch.setattr(bd, "capture_graph", lambda fn: type("G", (), {"replay": staticmethod(fn)})())
+    timed = []
+    monkeypatch.setattr(probe, "_bench", lambda fn: (timed.append(fn), 1e-4 * len(timed))[1])
+    monkeypatch.setattr(probe, "kernel_table", lambda fn: [{"name": "k", "grid": [1, 1, 1]}])
+    gen = torch.Generator().manual_seed(0)
+    times, lines = probe._round(2, 4, 2, 128, ["base", "persist"], gen, 1, profile=True, dev="cpu",
+                                dtype=torch.float32)
+    assert list(times) == ["sdpa", "gqa_decode", "base", "persist"] and len(timed) == 4
+    # rotated by one: gqa_decode was timed first, sdpa last
+    assert times["gqa_decode"] == 1e-4 and times["sdpa"] == 4e-4
+    assert sum(line.startswith("Kernels of") for line in lines) == 3 and "- {'name': 'k', 'grid': [1, 1, 1]}" in lines
+    real = probe.mini_decode
+    monkeypatch.setattr(probe, "mini_decode", lambda *a, **kw: real(*a, **kw) * 0.5)
+    timed.clear()
+    with pytest.raises(RuntimeError, match="base differs from SDPA"):
+        probe._round(2, 4, 2, 128, ["base"], gen, 0, dev="cpu", dtype=torch.float32)
+    assert timed == []
+
+
+def test_probe_gqa_decode_table(tmp_path, monkeypatch):
+    """probe_gqa_decode.main: medians and ranges over the rounds, GB/s from the row's bytes, ratio SDPA / kernel."""
+    import probe_gqa_decode as probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(torch, "Generator", lambda device=None: type("G", (), {"manual_seed": lambda s, x: s})())
+    feed = iter([{"sdpa": 100e-6, "gqa_decode": 101e-6, "tma": 98e-6}, {"sdpa": 102e-6, "gqa_decode": 103e-6, "tma": 99e-6},
+                 {"sdpa": 101e-6, "gqa_decode": 102e-6, "tma": 100e-6}])
+    monkeypatch.setattr(probe, "_round", lambda *a, **kw: (next(feed), ["profiled"] if kw.get("profile") else []))
+    out = tmp_path / "p.md"
+    probe.main(["--shapes", "gqa32", "--variants", "tma", "--rounds", "3", "--out", str(out)])
+    text = out.read_text()
+    assert text.count("profiled") == 1
+    # 1.0737e9 bytes: 10631 GB/s at 101 us
+    assert "| gqa_decode | 102.0 | 101.0-103.0 | 10527 | 0.9902 |" in text
+    assert "| sdpa | 101.0 | 100.0-102.0 | 10631 | 1.0000 |" in text
+    assert "| tma | 99.0 | 98.0-100.0 | 10846 | 1.0202 |" in text
+    for bad in (["--shapes", "gqa5"], ["--rounds", "0"], ["--variants", ""]):
+        with pytest.raises(SystemExit):
+            probe.main(bad)
