@@ -66,6 +66,23 @@ def _round(b, hq, hkv, length, gen, layers, dev="cuda", dtype=torch.bfloat16):
     return out
 
 
+def rows_and_generator(ap, a, script: str):
+    """The checks both round scripts share: ``a.shapes`` (names gqaB of bench_decode.GQA_SHAPES, comma-separated)
+    as {name: (B, Hq, Hkv, L)} in the order given, ``a.rounds`` >= 1 (argparse errors otherwise), a CUDA GPU (exit
+    naming ``script`` otherwise); with a seeded CUDA generator."""
+    known = {f"gqa{s[0]}": s for s in bd.GQA_SHAPES}
+    wanted = [s for s in a.shapes.split(",") if s]
+    if not wanted or any(s not in known for s in wanted):
+        ap.error(f"--shapes takes names from {sorted(known)}, got {a.shapes!r}")
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA GPU")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    return {s: known[s] for s in wanted}, gen
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="gqa1,gqa32,gqa128", help="rows of bench_decode.GQA_SHAPES, as gqaB")
@@ -73,19 +90,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8, help="also time N steps over N cache copies in one graph (0: off)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    known = {f"gqa{s[0]}": s for s in bd.GQA_SHAPES}
-    wanted = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in wanted if s not in known]
-    if bad or not wanted:
-        ap.error(f"--shapes takes names from {sorted(known)}, got {a.shapes!r}")
-    if a.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.layers < 0:
         ap.error(f"--layers must be >= 0, got {a.layers}")
-    if not torch.cuda.is_available():
-        sys.exit("decode_rounds: needs a CUDA GPU")
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
+    known, gen = rows_and_generator(ap, a, "decode_rounds")
+    wanted = list(known)
     lines = [f"GPU {torch.cuda.get_device_name()}; commit {os.environ.get('GIT_COMMIT', '?')}; GQA decode, bf16, "
              f"d {D}, one new token; graph replay, A B B A per round, {a.rounds} rounds of fresh caches; "
              "ratio = SDPA time / ours (> 1: ours faster)", ""]

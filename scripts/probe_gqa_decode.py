@@ -250,7 +250,7 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
 
 
 def main(argv=None):
-    import bench_decode as bd
+    from decode_rounds import rows_and_generator
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="gqa32,gqa128", help="rows of bench_decode.GQA_SHAPES, as gqaB")
@@ -258,19 +258,11 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"from {list(VARIANTS)}")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    known = {f"gqa{s[0]}": s for s in bd.GQA_SHAPES}
-    wanted = [s for s in a.shapes.split(",") if s]
     variants = [s for s in a.variants.split(",") if s]
-    if not wanted or any(s not in known for s in wanted):
-        ap.error(f"--shapes takes names from {sorted(known)}, got {a.shapes!r}")
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants takes names from {list(VARIANTS)}, got {a.variants!r}")
-    if a.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {a.rounds}")
-    if not torch.cuda.is_available():
-        sys.exit("probe_gqa_decode: needs a CUDA GPU")
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
+    known, gen = rows_and_generator(ap, a, "probe_gqa_decode")
+    wanted = list(known)
     lines = [f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; commit "
              f"{os.environ.get('GIT_COMMIT', '?')}; GQA decode, bf16, d {D}, one new token, contiguous cache; graph "
              f"replays, {a.rounds} rounds of fresh caches, variants' order rotated per round", ""]
