@@ -208,10 +208,6 @@ def kernel_table(fn) -> list[dict]:
             for e in events if e.get("cat") == "kernel"]
 
 
-def _bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-
-
 def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtype=torch.bfloat16):
     """One round over a fresh cache: ({kernel: seconds}, markdown lines of the profiled kernels). Every kernel is
     checked against SDPA first (RuntimeError past 5e-3); the timing order is rotated by ``r``. ``dev`` / ``dtype``
@@ -242,7 +238,7 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
     graphs = {key: bd.capture_graph(fn) for key, fn in fns.items()}
     order = list(graphs)
     order = order[r % len(order):] + order[:r % len(order)]
-    times = {key: _bench(graphs[key].replay) for key in order}
+    times = {key: bd._bench(graphs[key].replay) for key in order}
     del graphs
     if dev == "cuda":
         torch.cuda.empty_cache()

@@ -380,7 +380,7 @@ def test_probe_gqa_decode_round_checks_then_times(monkeypatch):
 
     monkeypatch.setattr(bd, "capture_graph", lambda fn: type("G", (), {"replay": staticmethod(fn)})())
     timed = []
-    monkeypatch.setattr(probe, "_bench", lambda fn: (timed.append(fn), 1e-4 * len(timed))[1])
+    monkeypatch.setattr(bd, "_bench", lambda fn: (timed.append(fn), 1e-4 * len(timed))[1])
     monkeypatch.setattr(probe, "kernel_table", lambda fn: [{"name": "k", "grid": [1, 1, 1]}])
     gen = torch.Generator().manual_seed(0)
     times, lines = probe._round(2, 4, 2, 128, ["base", "persist"], gen, 1, profile=True, dev="cpu",
