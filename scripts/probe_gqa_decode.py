@@ -11,6 +11,8 @@ timed before and do not close it. This probe asks two further questions in one G
 
    - ``base``: pointer loads (``cp.async`` through Triton's pipeliner), as ``gqa_decode`` does;
    - ``kvmajor``: programs ordered KV head first, so programs running together read different heads;
+   - ``seqload`` / ``kvmajor_seqload``: the loop's bound read from a ``seq_lens`` tensor, as ``gqa_decode`` reads
+     it, so the first K/V loads wait for that load (the length given as an argument in the others);
    - ``tma``: the K and V tiles through TMA tensor descriptors (host-built, on the 2-D ``[B * Hkv * L, D]``
      view), pipelined by Triton into a ring of shared-memory buffers;
    - ``tma4``: the same with four stages (three 64 KB buffers in flight, against two);
@@ -22,6 +24,8 @@ timed before and do not close it. This probe asks two further questions in one G
 
    (``eviction_policy="evict_first"`` was meant to be a variant too, but Triton 3.6 drops it from the pipelined
    ``cp.async`` loads: the sm_90a PTX is the same as ``base``'s.)
+
+   ``gqa_decode_kvmajor`` is ``gqa_decode`` itself with ``triton_decode.KV_MAJOR`` on.
 
    If ``base`` matches ``gqa_decode``, the general kernel's extra code costs nothing here and a variant that beats
    ``base`` names the change to make there.
@@ -49,12 +53,17 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mla_attn.ops.decode import triton_decode as td  # noqa: E402
+
 D = 128
 _LOG2E = 1.4426950408889634
-# variant -> (load mode, program order: False (b, kv head), True (kv head, b) or "persist", num_stages, keys per tile)
+# variant -> (load mode, program order: False (b, kv head), True (kv head, b) or "persist", num_stages, keys per tile);
+# the *seqload variants read the length from memory (SEQ_LOAD), as gqa_decode reads seq_lens[b]
 VARIANTS = {
     "base": ("ptr", False, 3, 128),
     "kvmajor": ("ptr", True, 3, 128),
+    "seqload": ("ptr", False, 3, 128),
+    "kvmajor_seqload": ("ptr", True, 3, 128),
     "tma": ("tma", False, 3, 128),
     "tma4": ("tma", False, 4, 128),
     "tma64": ("tma", False, 4, 64),
@@ -64,11 +73,11 @@ VARIANTS = {
 
 
 @triton.jit
-def _mini_decode(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
+def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
                  HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr,  # "ptr" or "tma"
-                 KV_MAJOR: tl.constexpr):
+                 KV_MAJOR: tl.constexpr, SEQ_LOAD: tl.constexpr):
     """One program per (sequence, KV head): its GROUP query rows (padded to BLOCK_H) over all seq_len keys,
     which must be a multiple of BLOCK_N (the probe's shapes are). q, o: [B, HKV * GROUP, D]; K, V: [B, HKV, L, D]."""
     pid = tl.program_id(0)
@@ -88,7 +97,10 @@ def _mini_decode(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    n_keys = seq_len
+    if SEQ_LOAD:  # the loop's bound waits for this load (the cache's rows still start at seq0)
+        n_keys = tl.load(SEQ_LENS + i_b)
+    for start in range(0, n_keys, BLOCK_N):
         if MODE == "tma":
             b_k = KD.load([(seq0 + start).to(tl.int32), 0])
         else:
@@ -110,7 +122,7 @@ def _mini_decode(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
 
 
 @triton.jit
-def _mini_persist(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
+def _mini_persist(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
                   HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
     """_mini_decode's work over num_programs(0) persistent programs: program p takes units p, p + P, ... (unit =
@@ -158,9 +170,9 @@ def _mini_persist(Q, K, V, O, KD, VD, qk_scale, batch, seq_len,
                      mask=m_r[:, None])
 
 
-def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: int = 4):
+def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: int = 4, seq_lens=None):
     """q [B, Hq, 1, D], k / v [B, Hkv, L, D] contiguous, L a multiple of the tile (``block_n``, default the
-    variant's): o [B, Hq, 1, D]."""
+    variant's): o [B, Hq, 1, D]. The *seqload variants take ``seq_lens`` (int32 [B], each L)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     mode, kv_major, stages, tile = VARIANTS[variant]
@@ -178,14 +190,19 @@ def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: in
 
         kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d])
         vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d])
-    args = (q, k, v, o, kd if kd is not None else k, vd if vd is not None else v, d ** -0.5 * _LOG2E, b, length)
+    seq_load = variant.endswith("seqload")
+    if seq_load and (seq_lens is None or seq_lens.shape != (b,) or bool((seq_lens != length).any())):
+        raise ValueError(f"variant {variant!r} takes seq_lens of shape ({b},), each {length}; got "
+                         f"{None if seq_lens is None else tuple(seq_lens.tolist())}")
+    args = (q, k, v, o, kd if kd is not None else k, vd if vd is not None else v,
+            seq_lens if seq_load else q, d ** -0.5 * _LOG2E, b, length)
     meta = dict(HKV=hkv, GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
                 MODE=mode, num_warps=num_warps, num_stages=stages)
     if kv_major == "persist":
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 3
         _mini_persist[(min(b * hkv, sms),)](*args, **meta)
     else:
-        _mini_decode[(b * hkv,)](*args, KV_MAJOR=kv_major, **meta)
+        _mini_decode[(b * hkv,)](*args, KV_MAJOR=kv_major, SEQ_LOAD=seq_load, **meta)
     return o
 
 
@@ -214,16 +231,22 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
     are for the CPU test (the interpreter's bf16 dots are wrong); the script times CUDA bf16."""
     import bench_decode as bd
 
-    from mla_attn.ops.decode.triton_decode import gqa_decode
 
     seq_lens = torch.full((b,), length, dtype=torch.int32, device=dev)
     q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(dtype)
     k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
     v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
+    def ours(kv_major):  # gqa_decode with td.KV_MAJOR as given (part of its plan key)
+        old, td.KV_MAJOR = td.KV_MAJOR, kv_major
+        try:
+            return td.gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]
+        finally:
+            td.KV_MAJOR = old
+
     fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-           "gqa_decode": lambda: gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]}
+           "gqa_decode": lambda: ours(False), "gqa_decode_kvmajor": lambda: ours(True)}
     for var in variants:
-        fns[var] = lambda var=var: mini_decode(q, k, v, var)
+        fns[var] = lambda var=var: mini_decode(q, k, v, var, seq_lens=seq_lens)
     ref = fns["sdpa"]().float().reshape(b, hq, D)
     for key, fn in fns.items():
         err = (fn().float().reshape(b, hq, D) - ref).abs().max().item()

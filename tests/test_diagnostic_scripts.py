@@ -335,7 +335,8 @@ def test_decode_rounds_round_runs_and_checks(monkeypatch):
         dr._round(2, 4, 2, 40, gen, 0, dev="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["base", "kvmajor", "tma", "tma4", "tma64", "persist", "persist_tma"])
+@pytest.mark.parametrize("variant", ["base", "kvmajor", "seqload", "kvmajor_seqload", "tma", "tma4", "tma64", "persist",
+                                     "persist_tma"])
 def test_probe_gqa_decode_mini_kernel_matches_the_oracle(variant):
     """scripts/probe_gqa_decode.py's minimal GQA decode kernel, every load variant, under the interpreter in fp32
     (3 sequences, 8/2 and 6/1 heads, two tiles of keys; the persistent ones on 3 programs, so one takes two units) against the float64 oracle; tolerance 1e-5 (fp32 dots of 128
@@ -349,7 +350,8 @@ def test_probe_gqa_decode_mini_kernel_matches_the_oracle(variant):
         q = torch.randn(b, hq, 1, 128, generator=gen)
         k = torch.randn(b, hkv, length, 128, generator=gen)
         v = torch.randn(b, hkv, length, 128, generator=gen)
-        o = probe.mini_decode(q, k, v, variant, block_n=32)
+        seq_lens = torch.full((b,), length, dtype=torch.int32)
+        o = probe.mini_decode(q, k, v, variant, block_n=32, seq_lens=seq_lens)
         ref, _ = attention_oracle(q, k, v, scale=128 ** -0.5)
         assert o.shape == q.shape
         assert (o.double() - ref).abs().max().item() < 1e-5
@@ -367,6 +369,10 @@ def test_probe_gqa_decode_rejects_what_it_cannot_run():
         probe.mini_decode(q, k[:, :, :40], k[:, :, :40], "base", block_n=32)
     with pytest.raises(ValueError, match="contiguous"):
         probe.mini_decode(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, "base", block_n=32)
+    with pytest.raises(ValueError, match="seq_lens"):  # the length it would read must be the cache's
+        probe.mini_decode(q, k, k, "seqload", block_n=32)
+    with pytest.raises(ValueError, match=r"seq_lens.*\(64, 32\)"):
+        probe.mini_decode(q, k, k, "seqload", block_n=32, seq_lens=torch.tensor([64, 32], dtype=torch.int32))
     with pytest.raises(SystemExit):
         probe.main(["--variants", "evict"])
 
@@ -383,17 +389,25 @@ def test_probe_gqa_decode_round_checks_then_times(monkeypatch):
     monkeypatch.setattr(bd, "_bench", lambda fn: (timed.append(fn), 1e-4 * len(timed))[1])
     monkeypatch.setattr(probe, "kernel_table", lambda fn: [{"name": "k", "grid": [1, 1, 1]}])
     gen = torch.Generator().manual_seed(0)
-    times, lines = probe._round(2, 4, 2, 128, ["base", "persist"], gen, 1, profile=True, dev="cpu",
+    times, lines = probe._round(2, 4, 2, 128, ["base", "seqload", "persist"], gen, 1, profile=True, dev="cpu",
                                 dtype=torch.float32)
-    assert list(times) == ["sdpa", "gqa_decode", "base", "persist"] and len(timed) == 4
+    assert list(times) == ["sdpa", "gqa_decode", "gqa_decode_kvmajor", "base", "seqload", "persist"]
+    assert len(timed) == 6
     # rotated by one: gqa_decode was timed first, sdpa last
-    assert times["gqa_decode"] == 1e-4 and times["sdpa"] == 4e-4
+    assert times["gqa_decode"] == 1e-4 and times["sdpa"] == 1e-4 * 6
+    assert probe.td.KV_MAJOR is False  # the kvmajor row put the module switch back
     assert sum(line.startswith("Kernels of") for line in lines) == 3 and "- {'name': 'k', 'grid': [1, 1, 1]}" in lines
     real = probe.mini_decode
     monkeypatch.setattr(probe, "mini_decode", lambda *a, **kw: real(*a, **kw) * 0.5)
     timed.clear()
     with pytest.raises(RuntimeError, match="base differs from SDPA"):
         probe._round(2, 4, 2, 128, ["base"], gen, 0, dev="cpu", dtype=torch.float32)
+    assert timed == []
+    monkeypatch.setattr(probe, "mini_decode", real)  # a wrong KV-major order in gqa_decode stops it too
+    td, real_gqa = probe.td, probe.td.gqa_decode
+    monkeypatch.setattr(td, "gqa_decode", lambda *a, **kw: (real_gqa(*a, **kw)[0] * (0.5 if td.KV_MAJOR else 1), None))
+    with pytest.raises(RuntimeError, match="gqa_decode_kvmajor differs from SDPA"):
+        probe._round(2, 4, 2, 128, [], gen, 0, dev="cpu", dtype=torch.float32)
     assert timed == []
 
 

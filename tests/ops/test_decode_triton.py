@@ -502,6 +502,35 @@ def test_fused_merge_off_uses_combine(monkeypatch):
     assert calls == [1]
 
 
+# Programs ordered KV head first (td.KV_MAJOR, off by default): the same answer over odd head counts, zero-length
+# sequences, pages and splits (NaN in every unused slot). The spy asserts the kernel was given KV_MAJOR.
+# (B, Hq, Hkv, D, S, lens, page, splits, dtype)
+KV_MAJOR_CASES = [
+    (3, 9, 3, 64, 1, [0, 63, 113], None, 1, F32),
+    (5, 6, 2, 32, 2, [1, 17, 0, 64, 45], 16, 3, F16),
+    (2, 12, 3, 64, 1, [113, 70], 4, None, F32),
+]
+
+
+@pytest.mark.parametrize("case", KV_MAJOR_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}_{c[2]}-P{c[6]}-splits{c[7]}")
+def test_gqa_decode_kv_major_order(case, monkeypatch):
+    b, hq, hkv, d, s, lens, page, splits, dtype = case
+    monkeypatch.setattr(td, "KV_MAJOR", True)
+    passed = []
+
+    class Spy(td.Launch):
+        def __init__(self, fn, grid, args, kwargs, options):
+            if fn is td._decode_kernel:
+                passed.append(kwargs.get("KV_MAJOR", False))
+            super().__init__(fn, grid, args, kwargs, options)
+    monkeypatch.setattr(td, "Launch", Spy)
+    q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, d, s, lens, page, dtype)
+    o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
+    assert passed and all(passed)
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
+
+
 def test_fused_merge_tiles_rule(monkeypatch):
     """Which merges are fused: [parts, rows, Dv] steps of at most FUSE_STEP values, at most FUSE_MAX_STEPS."""
     monkeypatch.setattr(td, "FUSED_MERGE", True)

@@ -265,6 +265,7 @@ def _decode_kernel(
     STRIDE_UNIT: tl.constexpr = 1,  # the leading strides of q, the cache and o came divided by it (_stride_unit)
     BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
     MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
+    KV_MAJOR: tl.constexpr = False,  # rows ordered (kv head, b, head tile), not (b, kv head, head tile): KV_MAJOR below
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -278,7 +279,10 @@ def _decode_kernel(
     pid_split = tl.program_id(1)  # split of the sequence; BALANCED: worker
     i_t = pid_row % NUM_HEAD_TILES
     i_bk = pid_row // NUM_HEAD_TILES
-    i_kvh = i_bk % num_kv_heads
+    if KV_MAJOR:  # i_bk = kv head * batch + b (never BALANCED)
+        i_kvh = i_bk // batch
+    else:
+        i_kvh = i_bk % num_kv_heads
     if BALANCED:
         # The batch's key tiles (each sequence cut into BLOCK_N-key tiles, in batch order) are dealt
         # to num_splits workers in equal runs: worker w takes tiles [ceil(w T / W), ceil((w+1) T / W)).
@@ -314,7 +318,10 @@ def _decode_kernel(
             excl += nt
             i_b += 1
     else:
-        i_b = i_bk // num_kv_heads
+        if KV_MAJOR:
+            i_b = i_bk % batch
+        else:
+            i_b = i_bk // num_kv_heads
         seq_len = tl.load(SEQ_LENS + i_b)
         # KV interval: seq_len cut into num_splits pieces, each a whole number of BLOCK_N tiles.
         split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -576,6 +583,14 @@ def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) ->
 # The ticket's release, its round trip and the merge's loads sit on the critical path of the last
 # split, and cost more than the combine launch they replace. MLA_ATTN_FUSED_MERGE=1 turns it on.
 FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
+
+# Program order (KV_MAJOR in the kernel; experimental, off): GQA rows ordered KV head first, so the programs of one
+# wave take every sequence of a few KV heads instead of every KV head of a few sequences. Each program still reads
+# its own 2 * L * d of cache; only which programs run together changes. scripts/probe_gqa_decode.py's minimal kernel
+# read 0.9993 of SDPA this way against 0.9973 at B 32, 32/8, L 8192, and 1.0074 against 1.0087 at B 128, 64/8,
+# L 4096 (H100, 7d99f3b, three rounds each, ranges apart; docs/raw/probe_gqa_decode_7d99f3b_h100.md).
+# MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
+KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 FUSE_STEP = 8192
 FUSE_MAX_STEPS = 4
 _TICKET_SLOTS = 1 << 16
@@ -652,7 +667,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN, KV_MAJOR)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -722,6 +737,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     k2_strides = k2_strides or (0, 0, 0, 0)
     v_ = k1 if v is None else v
     grid = ((1 if balanced else b) * num_kv_heads * head_tiles, num_splits)
+    kv_major = KV_MAJOR and not balanced and num_kv_heads > 1
     unit = _stride_unit(q1.stride(), q2_strides, k1_strides, k2_strides, v_strides, o_strides)
 
     def units(st):  # the leading strides divided by unit, the last (the head-dim stride) as it is
@@ -752,6 +768,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(FUSED=True, MERGE_ROWS=fused[0], MERGE_CHUNK=fused[1], MERGE_DV=_pow2(d_v)) if fused else {}),
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
+                **(dict(KV_MAJOR=True) if kv_major else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
