@@ -78,6 +78,13 @@ def test_gqa_decode_reads_only_live_tokens(page, splits, d, split, span, check, 
     torch.testing.assert_close(o, ref.float(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("page,splits", [(None, 1), (None, 5), (16, 3)], ids=lambda x: str(x))
+def test_gqa_decode_kv_major_reads_only_live_tokens(page, splits, check, monkeypatch):
+    """The same bounds with programs ordered KV head first (td.KV_MAJOR, off by default)."""
+    monkeypatch.setattr(td, "KV_MAJOR", True)
+    test_gqa_decode_reads_only_live_tokens(page, splits, 32, False, False, check, monkeypatch)
+
+
 @pytest.mark.parametrize("page,splits", [(None, 2), (16, 1), (16, 5), (1, 3)], ids=lambda x: str(x))
 def test_mla_decode_reads_only_live_tokens(page, splits, check):
     b, h, dc, dr, s = 3, 4, 64, 16, 1
