@@ -191,7 +191,8 @@ def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: in
         kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d])
         vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d])
     seq_load = variant.endswith("seqload")
-    if seq_load and (seq_lens is None or seq_lens.shape != (b,) or bool((seq_lens != length).any())):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # no host read while a graph is captured
+    if seq_load and (seq_lens is None or seq_lens.shape != (b,) or (not capturing and bool((seq_lens != length).any()))):
         raise ValueError(f"variant {variant!r} takes seq_lens of shape ({b},), each {length}; got "
                          f"{None if seq_lens is None else tuple(seq_lens.tolist())}")
     args = (q, k, v, o, kd if kd is not None else k, vd if vd is not None else v,
