@@ -589,7 +589,9 @@ FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
 # its own 2 * L * d of cache; only which programs run together changes. scripts/probe_gqa_decode.py's minimal kernel
 # read 0.9993 of SDPA this way against 0.9973 at B 32, 32/8, L 8192, and 1.0074 against 1.0087 at B 128, 64/8,
 # L 4096 (H100, 7d99f3b, three rounds each, ranges apart; docs/raw/probe_gqa_decode_7d99f3b_h100.md).
-# MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
+# In gqa_decode itself it did not carry over (H100, 77e6851, five rounds; docs/raw/probe_gqa_decode_77e6851_h100.md):
+# 354.4 us against 354.5 at B 32 (ranges overlapping) and 691.0 against 689.6 at B 128 (0.2% slower), so it stays
+# off. MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
 KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 FUSE_STEP = 8192
 FUSE_MAX_STEPS = 4
