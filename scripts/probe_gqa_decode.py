@@ -13,6 +13,8 @@ timed before and do not close it. This probe asks two further questions in one G
    - ``kvmajor``: programs ordered KV head first, so programs running together read different heads;
    - ``seqload`` / ``kvmajor_seqload``: the loop's bound read from a ``seq_lens`` tensor, as ``gqa_decode`` reads
      it, so the first K/V loads wait for that load (the length given as an argument in the others);
+   - ``masked``: ``seqload`` with every tile's K / V loads and scores masked to that length, as ``gqa_decode``'s
+     loop masks them (predicated ``cp.async`` with zero fill, and a select on the scores);
    - ``tma``: the K and V tiles through TMA tensor descriptors (host-built, on the 2-D ``[B * Hkv * L, D]``
      view), pipelined by Triton into a ring of shared-memory buffers;
    - ``tma4``: the same with four stages (three 64 KB buffers in flight, against two);
@@ -58,12 +60,14 @@ from mla_attn.ops.decode import triton_decode as td  # noqa: E402
 D = 128
 _LOG2E = 1.4426950408889634
 # variant -> (load mode, program order: False (b, kv head), True (kv head, b) or "persist", num_stages, keys per tile);
-# the *seqload variants read the length from memory (SEQ_LOAD), as gqa_decode reads seq_lens[b]
+# the *seqload variants read the length from memory (SEQ_LOAD), as gqa_decode reads seq_lens[b]; masked masks every
+# tile's keys against it (MASKED), as gqa_decode's loop does
 VARIANTS = {
     "base": ("ptr", False, 3, 128),
     "kvmajor": ("ptr", True, 3, 128),
     "seqload": ("ptr", False, 3, 128),
     "kvmajor_seqload": ("ptr", True, 3, 128),
+    "masked": ("ptr", False, 3, 128),
     "tma": ("tma", False, 3, 128),
     "tma4": ("tma", False, 4, 128),
     "tma64": ("tma", False, 4, 64),
@@ -77,7 +81,7 @@ def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
                  HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  MODE: tl.constexpr,  # "ptr" or "tma"
-                 KV_MAJOR: tl.constexpr, SEQ_LOAD: tl.constexpr):
+                 KV_MAJOR: tl.constexpr, SEQ_LOAD: tl.constexpr, MASKED: tl.constexpr = False):
     """One program per (sequence, KV head): its GROUP query rows (padded to BLOCK_H) over all seq_len keys,
     which must be a multiple of BLOCK_N (the probe's shapes are). q, o: [B, HKV * GROUP, D]; K, V: [B, HKV, L, D]."""
     pid = tl.program_id(0)
@@ -101,11 +105,16 @@ def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
     if SEQ_LOAD:  # the loop's bound waits for this load (the cache's rows still start at seq0)
         n_keys = tl.load(SEQ_LENS + i_b)
     for start in range(0, n_keys, BLOCK_N):
+        m_n = start + o_n < n_keys
         if MODE == "tma":
             b_k = KD.load([(seq0 + start).to(tl.int32), 0])
+        elif MASKED:
+            b_k = tl.load(K + (seq0 + start + o_n)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
         else:
             b_k = tl.load(K + (seq0 + start + o_n)[:, None] * D + o_d[None, :])
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        if MASKED:
+            b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
@@ -113,6 +122,8 @@ def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
         b_acc = b_acc * b_alpha[:, None]
         if MODE == "tma":
             b_v = VD.load([(seq0 + start).to(tl.int32), 0])
+        elif MASKED:
+            b_v = tl.load(V + (seq0 + start + o_n)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
         else:
             b_v = tl.load(V + (seq0 + start + o_n)[:, None] * D + o_d[None, :])
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
@@ -172,7 +183,7 @@ def _mini_persist(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
 
 def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: int = 4, seq_lens=None):
     """q [B, Hq, 1, D], k / v [B, Hkv, L, D] contiguous, L a multiple of the tile (``block_n``, default the
-    variant's): o [B, Hq, 1, D]. The *seqload variants take ``seq_lens`` (int32 [B], each L)."""
+    variant's): o [B, Hq, 1, D]. The *seqload and masked variants take ``seq_lens`` (int32 [B], each L)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     mode, kv_major, stages, tile = VARIANTS[variant]
@@ -190,7 +201,8 @@ def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: in
 
         kd = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d])
         vd = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d])
-    seq_load = variant.endswith("seqload")
+    masked = variant == "masked"
+    seq_load = variant.endswith("seqload") or masked
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # no host read while a graph is captured
     if seq_load and (seq_lens is None or seq_lens.shape != (b,) or (not capturing and bool((seq_lens != length).any()))):
         raise ValueError(f"variant {variant!r} takes seq_lens of shape ({b},), each {length}; got "
@@ -203,7 +215,7 @@ def mini_decode(q, k, v, variant: str, block_n: int | None = None, num_warps: in
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 3
         _mini_persist[(min(b * hkv, sms),)](*args, **meta)
     else:
-        _mini_decode[(b * hkv,)](*args, KV_MAJOR=kv_major, SEQ_LOAD=seq_load, **meta)
+        _mini_decode[(b * hkv,)](*args, KV_MAJOR=kv_major, SEQ_LOAD=seq_load, MASKED=masked, **meta)
     return o
 
 

@@ -335,8 +335,8 @@ def test_decode_rounds_round_runs_and_checks(monkeypatch):
         dr._round(2, 4, 2, 40, gen, 0, dev="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("variant", ["base", "kvmajor", "seqload", "kvmajor_seqload", "tma", "tma4", "tma64", "persist",
-                                     "persist_tma"])
+@pytest.mark.parametrize("variant", ["base", "kvmajor", "seqload", "kvmajor_seqload", "masked", "tma", "tma4", "tma64",
+                                     "persist", "persist_tma"])
 def test_probe_gqa_decode_mini_kernel_matches_the_oracle(variant):
     """scripts/probe_gqa_decode.py's minimal GQA decode kernel, every load variant, under the interpreter in fp32
     (3 sequences, 8/2 and 6/1 heads, two tiles of keys; the persistent ones on 3 programs, so one takes two units) against the float64 oracle; tolerance 1e-5 (fp32 dots of 128
@@ -371,6 +371,8 @@ def test_probe_gqa_decode_rejects_what_it_cannot_run():
         probe.mini_decode(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, "base", block_n=32)
     with pytest.raises(ValueError, match="seq_lens"):  # the length it would read must be the cache's
         probe.mini_decode(q, k, k, "seqload", block_n=32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        probe.mini_decode(q, k, k, "masked", block_n=32)
     with pytest.raises(ValueError, match=r"seq_lens.*\(64, 32\)"):
         probe.mini_decode(q, k, k, "seqload", block_n=32, seq_lens=torch.tensor([64, 32], dtype=torch.int32))
     with pytest.raises(SystemExit):
