@@ -22,8 +22,7 @@
 #     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py); the GQA decode rows the same way
 #     (scripts/decode_rounds.py)
 #   ONLY=gqaprobe bash scripts/gpu_check.sh [OUTDIR]   large-batch GQA decode: SDPA's kernels (profiler), and a minimal
-#     copy of our kernel with TMA loads, deeper rings, another program order or a persistent flattened loop
-#     (scripts/probe_gqa_decode.py)
+#     copy of our kernel with and without per-tile key masks, against gqa_decode (scripts/probe_gqa_decode.py)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -141,9 +140,11 @@ if [ "${ONLY:-}" = spread ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = gqaprobe ]; then
-  # Session 39: what SDPA's GQA decode runs (profiler) and a minimal copy of our kernel with one load change at a
-  # time (TMA descriptors, deeper rings, program order, persistent loop) at B 32 / 128 (scripts/probe_gqa_decode.py).
-  step "probe GQA decode loads" "$(lim 240)" $PY scripts/probe_gqa_decode.py --rounds 3 --out "$out/probe_gqa_decode.md"
+  # What SDPA's GQA decode runs (profiler) and a minimal copy of our kernel, one change at a time, at B 32 / 128
+  # (scripts/probe_gqa_decode.py). Session 40 (H100) refuted TMA, deeper rings, persistence, KV-major order and the
+  # length load; the open question is the per-tile key masks (masked against seqload and base).
+  step "probe GQA decode loads" "$(lim 240)" $PY scripts/probe_gqa_decode.py --rounds 5 --variants base,seqload,masked \
+    --out "$out/probe_gqa_decode.md"
   echo "gpu_check status: $status"
   exit $status
 fi
