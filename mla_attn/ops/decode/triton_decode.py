@@ -583,6 +583,10 @@ def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) ->
 # The ticket's release, its round trip and the merge's loads sit on the critical path of the last
 # split, and cost more than the combine launch they replace. MLA_ATTN_FUSED_MERGE=1 turns it on.
 FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
+FUSE_STEP = 8192
+FUSE_MAX_STEPS = 4
+_TICKET_SLOTS = 1 << 16
+_tickets: dict = {}
 
 # Program order (KV_MAJOR in the kernel; experimental, off): GQA rows ordered KV head first, so the programs of one
 # wave take every sequence of a few KV heads instead of every KV head of a few sequences. Each program still reads
@@ -593,10 +597,6 @@ FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
 # 354.4 us against 354.5 at B 32 (ranges overlapping) and 691.0 against 689.6 at B 128 (0.2% slower), so it stays
 # off. MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
 KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
-FUSE_STEP = 8192
-FUSE_MAX_STEPS = 4
-_TICKET_SLOTS = 1 << 16
-_tickets: dict = {}
 
 
 def _fused_merge_tiles(num_splits: int, rows_per_tile: int, block_dv: int):
