@@ -77,6 +77,18 @@ VARIANTS = {
 
 
 @triton.jit
+def _tile(P, PD, key0, o_n, o_d, m_n, D: tl.constexpr, MODE: tl.constexpr, MASKED: tl.constexpr):
+    """The [BLOCK_N, D] K or V tile from key row key0: through the descriptor PD (tma), else pointer loads from P,
+    the rows masked by m_n when MASKED."""
+    if MODE == "tma":
+        return PD.load([key0.to(tl.int32), 0])
+    elif MASKED:
+        return tl.load(P + (key0 + o_n)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
+    else:
+        return tl.load(P + (key0 + o_n)[:, None] * D + o_d[None, :])
+
+
+@triton.jit
 def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
                  HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -106,12 +118,7 @@ def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
         n_keys = tl.load(SEQ_LENS + i_b)
     for start in range(0, n_keys, BLOCK_N):
         m_n = start + o_n < n_keys
-        if MODE == "tma":
-            b_k = KD.load([(seq0 + start).to(tl.int32), 0])
-        elif MASKED:
-            b_k = tl.load(K + (seq0 + start + o_n)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        else:
-            b_k = tl.load(K + (seq0 + start + o_n)[:, None] * D + o_d[None, :])
+        b_k = _tile(K, KD, seq0 + start, o_n, o_d, m_n, D, MODE, MASKED)
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
         if MASKED:
             b_s = tl.where(m_n[None, :], b_s, float("-inf"))
@@ -120,12 +127,7 @@ def _mini_decode(Q, K, V, O, KD, VD, SEQ_LENS, qk_scale, batch, seq_len,
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None]
-        if MODE == "tma":
-            b_v = VD.load([(seq0 + start).to(tl.int32), 0])
-        elif MASKED:
-            b_v = tl.load(V + (seq0 + start + o_n)[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)
-        else:
-            b_v = tl.load(V + (seq0 + start + o_n)[:, None] * D + o_d[None, :])
+        b_v = _tile(V, VD, seq0 + start, o_n, o_d, m_n, D, MODE, MASKED)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
         b_m = b_m_new
     b_o = b_acc / b_l[:, None]
