@@ -27,7 +27,8 @@ timed before and do not close it. This probe asks two further questions in one G
    (``eviction_policy="evict_first"`` was meant to be a variant too, but Triton 3.6 drops it from the pipelined
    ``cp.async`` loads: the sm_90a PTX is the same as ``base``'s.)
 
-   ``gqa_decode_kvmajor`` is ``gqa_decode`` itself with ``triton_decode.KV_MAJOR`` on.
+   ``gqa_decode_kvmajor`` is ``gqa_decode`` itself with ``triton_decode.KV_MAJOR`` on, ``gqa_decode_tail`` with
+   ``triton_decode.SPLIT_TAIL`` on (key masks on the partial last tile only; ``masked`` is its minimal counterpart).
 
    If ``base`` matches ``gqa_decode``, the general kernel's extra code costs nothing here and a variant that beats
    ``base`` names the change to make there.
@@ -251,15 +252,19 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
     q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(dtype)
     k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
     v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
-    def ours(kv_major):  # gqa_decode with td.KV_MAJOR as given (part of its plan key)
-        old, td.KV_MAJOR = td.KV_MAJOR, kv_major
+    def ours(switch=None):  # gqa_decode with one module switch of td on (KV_MAJOR, SPLIT_TAIL: in its plan key)
+        old = getattr(td, switch) if switch else None
+        if switch:
+            setattr(td, switch, True)
         try:
             return td.gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]
         finally:
-            td.KV_MAJOR = old
+            if switch:
+                setattr(td, switch, old)
 
     fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-           "gqa_decode": lambda: ours(False), "gqa_decode_kvmajor": lambda: ours(True)}
+           "gqa_decode": ours, "gqa_decode_kvmajor": lambda: ours("KV_MAJOR"),
+           "gqa_decode_tail": lambda: ours("SPLIT_TAIL")}
     for var in variants:
         fns[var] = lambda var=var: mini_decode(q, k, v, var, seq_lens=seq_lens)
     ref = fns["sdpa"]().float().reshape(b, hq, D)

@@ -313,6 +313,26 @@ def test_mla_decode(case):
     _check(o, lse, ref_o, ref_lse, base, dtype)
 
 
+# td.SPLIT_TAIL (off by default) in the MLA kernel: two score blocks, NoPE, S 2, pages larger than the tile and
+# pages of no power of two, against the same oracle.
+SPLIT_TAIL_MLA = [MLA_CASES[i] for i in (0, 1, 4, 5, 7, 8)]
+
+
+@pytest.mark.parametrize("case", SPLIT_TAIL_MLA, ids=[_mla_id(c) for c in SPLIT_TAIL_MLA])
+def test_mla_decode_split_tail(case, monkeypatch):
+    monkeypatch.setattr(td, "SPLIT_TAIL", True)
+    passed = []
+
+    class Spy(td.Launch):
+        def __init__(self, fn, grid, args, kwargs, options):
+            if fn is td._decode_kernel:
+                passed.append(kwargs.get("SPLIT_TAIL", False))
+            super().__init__(fn, grid, args, kwargs, options)
+    monkeypatch.setattr(td, "Launch", Spy)
+    test_mla_decode(case)
+    assert passed and all(passed)
+
+
 @pytest.mark.parametrize("unchain", [True, False])
 def test_unchained_dots_same_answer(unchain):
     """The UNCHAIN variant (independent score dots, an always-taken branch around P @ V; the default for
@@ -502,26 +522,31 @@ def test_fused_merge_off_uses_combine(monkeypatch):
     assert calls == [1]
 
 
-# Programs ordered KV head first (td.KV_MAJOR, off by default): the same answer over odd head counts, zero-length
-# sequences, pages and splits (NaN in every unused slot). The spy asserts the kernel was given KV_MAJOR.
+# Module switches of the kernel, off by default: programs ordered KV head first (td.KV_MAJOR) and key masks on the
+# partial last tile only (td.SPLIT_TAIL). Each gives the same answer over odd head counts, zero-length sequences,
+# lengths that are and are not whole 32-key tiles (the interpreter's), pages and splits (NaN in every unused slot).
+# The spy asserts the kernel was given the switch.
 # (B, Hq, Hkv, D, S, lens, page, splits, dtype)
-KV_MAJOR_CASES = [
+SWITCH_CASES = [
     (3, 9, 3, 64, 1, [0, 63, 113], None, 1, F32),
     (5, 6, 2, 32, 2, [1, 17, 0, 64, 45], 16, 3, F16),
     (2, 12, 3, 64, 1, [113, 70], 4, None, F32),
+    (3, 8, 2, 64, 1, [64, 32, 0], None, 2, F32),  # whole tiles only: no masked pass
+    (2, 4, 2, 32, 2, [96, 33], 16, 1, F16),  # S 2 over whole tiles: the causal mask without the key mask
 ]
 
 
-@pytest.mark.parametrize("case", KV_MAJOR_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}_{c[2]}-P{c[6]}-splits{c[7]}")
-def test_gqa_decode_kv_major_order(case, monkeypatch):
+@pytest.mark.parametrize("switch", ["KV_MAJOR", "SPLIT_TAIL"])
+@pytest.mark.parametrize("case", SWITCH_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}_{c[2]}-L{max(c[5])}-P{c[6]}-splits{c[7]}")
+def test_gqa_decode_switches(case, switch, monkeypatch):
     b, hq, hkv, d, s, lens, page, splits, dtype = case
-    monkeypatch.setattr(td, "KV_MAJOR", True)
+    monkeypatch.setattr(td, switch, True)
     passed = []
 
     class Spy(td.Launch):
         def __init__(self, fn, grid, args, kwargs, options):
             if fn is td._decode_kernel:
-                passed.append(kwargs.get("KV_MAJOR", False))
+                passed.append(kwargs.get(switch, False))
             super().__init__(fn, grid, args, kwargs, options)
     monkeypatch.setattr(td, "Launch", Spy)
     q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, d, s, lens, page, dtype)

@@ -36,6 +36,20 @@ _alloc = torch.empty  # every output buffer comes from here (tests swap in a NaN
 
 
 @triton.jit
+def _load_tile(p, m_n, m_d, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] cache tile, masked by key (m_n) and by column (m_d) only as asked, zeros where masked."""
+    if MASK_N and MASK_D:
+        x = tl.load(p, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    elif MASK_N:
+        x = tl.load(p, mask=m_n[:, None], other=0.0)
+    elif MASK_D:
+        x = tl.load(p, mask=m_d[None, :], other=0.0)
+    else:
+        x = tl.load(p)
+    return x
+
+
+@triton.jit
 def _attend(
     Q1, Q2, K1, K2, V, BLOCK_TABLE, O, LSE,
     qk_scale, GROUP,
@@ -61,6 +75,7 @@ def _attend(
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
     BLOCK_DV2: tl.constexpr = 0,  # > 0: the value head split, BLOCK_DV columns then a tail of these (masked to DV)
+    SPLIT_TAIL: tl.constexpr = False,  # whole tiles in a loop without key masks, then the last partial tile masked
 ):
     """One program's rows over one KV interval: online softmax, then (o, lse) written to part i_part."""
     i_b64 = i_b.to(tl.int64)
@@ -113,102 +128,115 @@ def _attend(
             next_page = tl.load(p_bt + (lo // PAGE_SIZE) * stride_btp, mask=lo < hi, other=0)
         else:  # pages smaller than a tile: one table entry per token
             next_pages = tl.load(p_bt + ((lo + o_nl) // PAGE_SIZE) * stride_btp, mask=lo + o_nl < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        o_n = start + o_nl  # [BLOCK_N] token positions
-        m_n = o_n < hi
-        if PAGED and not TILE_IN_PAGE:
-            page = next_pages.to(tl.int64)
-            o_next = o_n + BLOCK_N
-            next_pages = tl.load(p_bt + (o_next // PAGE_SIZE) * stride_btp, mask=o_next < hi, other=0)
-            within = (o_n % PAGE_SIZE).to(tl.int64)
-            p_k1 = K1 + kvh64 * stride_k1h + (page * stride_k1o + within * stride_k1t)[:, None] + o_d1[None, :] * stride_k1d
-            if HAS_K2:
-                p_k2 = (K2 + kvh64 * stride_k2h + (page * stride_k2o + within * stride_k2t)[:, None]
-                        + o_d2[None, :] * stride_k2d)
-            if not V_IS_K1:
-                p_v = V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None] + o_dv[None, :] * stride_vd
-            if BLOCK_DV2 > 0:
-                p_v2 = (V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None]
-                        + o_dv2[None, :] * stride_vd)
+    # SPLIT_TAIL: pass 0 takes the whole tiles of [lo, hi) with no key mask, pass 1 the partial last tile, if any,
+    # masked (not pipelined: it runs at most once). Otherwise one masked pass over [lo, hi), as before SPLIT_TAIL.
+    # MASK_D keeps the column masks of that one pass even where a head fills its block (the code it was timed with).
+    whole_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # hi < lo: a split past the end (empty)
+    MASK_D: tl.constexpr = not SPLIT_TAIL
+    for MASK_N in tl.static_range(0 if SPLIT_TAIL else 1, 2):  # a constexpr per pass: 0 whole tiles, 1 masked
+        if not SPLIT_TAIL:
+            p_lo, p_hi = lo, hi
+        elif MASK_N == 0:
+            p_lo, p_hi = lo, whole_hi
         else:
-            if PAGED:  # the whole tile lies in one page: one block-table entry (start < hi <= seq_len)
-                page = next_page.to(tl.int64)
-                within = tl.cast(start % PAGE_SIZE, tl.int64)
-                next_page = tl.load(p_bt + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp, mask=start + BLOCK_N < hi,
-                                    other=0)
+            p_lo, p_hi = whole_hi, hi
+        for start in tl.range(p_lo, p_hi, BLOCK_N, num_stages=1 if SPLIT_TAIL and MASK_N == 1 else None):
+            o_n = start + o_nl  # [BLOCK_N] token positions
+            m_n = o_n < hi  # MASK_N only
+            if PAGED and not TILE_IN_PAGE:
+                page = next_pages.to(tl.int64)
+                o_next = o_n + BLOCK_N
+                next_pages = tl.load(p_bt + (o_next // PAGE_SIZE) * stride_btp, mask=o_next < hi, other=0)
+                within = (o_n % PAGE_SIZE).to(tl.int64)
+                p_k1 = K1 + kvh64 * stride_k1h + (page * stride_k1o + within * stride_k1t)[:, None] + o_d1[None, :] * stride_k1d
+                if HAS_K2:
+                    p_k2 = (K2 + kvh64 * stride_k2h + (page * stride_k2o + within * stride_k2t)[:, None]
+                            + o_d2[None, :] * stride_k2d)
+                if not V_IS_K1:
+                    p_v = V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None] + o_dv[None, :] * stride_vd
+                if BLOCK_DV2 > 0:
+                    p_v2 = (V + kvh64 * stride_vh + (page * stride_vo + within * stride_vt)[:, None]
+                            + o_dv2[None, :] * stride_vd)
             else:
-                page = i_b64
-                within = tl.cast(start, tl.int64)
-            p_k1 = K1 + (kvh64 * stride_k1h + page * stride_k1o + within * stride_k1t) + off_k1
-            if HAS_K2:
-                p_k2 = K2 + (kvh64 * stride_k2h + page * stride_k2o + within * stride_k2t) + off_k2
-            if not V_IS_K1:
-                p_v = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v
-            if BLOCK_DV2 > 0:
-                p_v2 = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v2
-        b_k1 = tl.load(p_k1, mask=m_n[:, None] & m_d1[None, :], other=0.0)  # [BLOCK_N, BLOCK_D1]
-        if IEEE:
-            b_s = tl.dot(b_q1, tl.trans(b_k1), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
-        else:
-            b_s = tl.dot(b_q1, tl.trans(b_k1))
-        if HAS_K2:
-            b_k2 = tl.load(p_k2, mask=m_n[:, None] & m_d2[None, :], other=0.0)  # [BLOCK_N, BLOCK_D2]
-            if UNCHAIN:  # two independent dots (no accumulator chaining, no dot+add fusion): see below
-                if IEEE:
-                    b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2), input_precision="ieee") * qk_scale
+                if PAGED:  # the whole tile lies in one page: one block-table entry (start < hi <= seq_len)
+                    page = next_page.to(tl.int64)
+                    within = tl.cast(start % PAGE_SIZE, tl.int64)
+                    next_page = tl.load(p_bt + ((start + BLOCK_N) // PAGE_SIZE) * stride_btp, mask=start + BLOCK_N < hi,
+                                        other=0)
                 else:
-                    b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2)) * qk_scale
-            elif IEEE:
-                b_s = tl.dot(b_q2, tl.trans(b_k2), b_s, input_precision="ieee")
+                    page = i_b64
+                    within = tl.cast(start, tl.int64)
+                p_k1 = K1 + (kvh64 * stride_k1h + page * stride_k1o + within * stride_k1t) + off_k1
+                if HAS_K2:
+                    p_k2 = K2 + (kvh64 * stride_k2h + page * stride_k2o + within * stride_k2t) + off_k2
+                if not V_IS_K1:
+                    p_v = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v
+                if BLOCK_DV2 > 0:
+                    p_v2 = V + (kvh64 * stride_vh + page * stride_vo + within * stride_vt) + off_v2
+            b_k1 = _load_tile(p_k1, m_n, m_d1, MASK_N, MASK_D or D1 < BLOCK_D1)  # [BLOCK_N, BLOCK_D1]
+            if IEEE:
+                b_s = tl.dot(b_q1, tl.trans(b_k1), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
             else:
-                b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-        if not (HAS_K2 and UNCHAIN):
-            b_s = b_s * qk_scale
-        if S == 1:
-            m_vis = m_n[None, :]
-        else:
-            m_vis = m_n[None, :] & (o_n[None, :] < row_limit[:, None])
-        b_s = tl.where(m_vis, b_s, float("-inf"))
+                b_s = tl.dot(b_q1, tl.trans(b_k1))
+            if HAS_K2:
+                b_k2 = _load_tile(p_k2, m_n, m_d2, MASK_N, MASK_D or D2 < BLOCK_D2)  # [BLOCK_N, BLOCK_D2]
+                if UNCHAIN:  # two independent dots (no accumulator chaining, no dot+add fusion): see below
+                    if IEEE:
+                        b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2), input_precision="ieee") * qk_scale
+                    else:
+                        b_s = b_s * qk_scale + tl.dot(b_q2, tl.trans(b_k2)) * qk_scale
+                elif IEEE:
+                    b_s = tl.dot(b_q2, tl.trans(b_k2), b_s, input_precision="ieee")
+                else:
+                    b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+            if not (HAS_K2 and UNCHAIN):
+                b_s = b_s * qk_scale
+            if S > 1 and MASK_N:
+                b_s = tl.where(m_n[None, :] & (o_n[None, :] < row_limit[:, None]), b_s, float("-inf"))
+            elif S > 1:  # a whole tile: every key is < hi, but the newest S - 1 may lie past a row's limit
+                b_s = tl.where(o_n[None, :] < row_limit[:, None], b_s, float("-inf"))
+            elif MASK_N:
+                b_s = tl.where(m_n[None, :], b_s, float("-inf"))
 
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # a row with nothing visible yet
-        b_alpha = tl.exp2(b_m - b_m_safe)
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where masked
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if not UNCHAIN:  # rescale before the V load: paged GQA at B=128 read 4289 GB/s so, 3910 with it after
-            b_acc = b_acc * b_alpha[:, None]
-            if BLOCK_DV2 > 0:
-                b_acc2 = b_acc2 * b_alpha[:, None]
-        if V_IS_K1:
-            b_v = b_k1
-        else:
-            b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-        if BLOCK_DV2 > 0:
-            b_v2 = tl.load(p_v2, mask=m_n[:, None] & m_dv2[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV2]
-        if UNCHAIN:
-            # With 8 warps Triton lays a dot out over warps by looking forward for a chained dot: the
-            # score dot feeding P @ V would get all 8 warps along the rows, so both warpgroups would
-            # compute the same 64-row score tile. A branch that is always taken (seq_len >= 0) ends
-            # that look-ahead at its yield: the score dots split their columns over the warpgroups
-            # like P @ V does, and P goes through shared memory to P @ V's operand layout.
-            if seq_len >= 0:
-                b_pv = b_p.to(b_v.dtype)
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+            b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # a row with nothing visible yet
+            b_alpha = tl.exp2(b_m - b_m_safe)
+            b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_N]; 0 where masked
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            if not UNCHAIN:  # rescale before the V load: paged GQA at B=128 read 4289 GB/s so, 3910 with it after
                 b_acc = b_acc * b_alpha[:, None]
                 if BLOCK_DV2 > 0:
                     b_acc2 = b_acc2 * b_alpha[:, None]
+            if V_IS_K1:
+                b_v = b_k1
             else:
-                b_pv = tl.zeros([BLOCK_H, BLOCK_N], dtype=b_v.dtype)
-        else:
-            b_pv = b_p.to(b_v.dtype)
-        if IEEE:
-            b_acc = tl.dot(b_pv, b_v, b_acc, input_precision="ieee")
+                b_v = _load_tile(p_v, m_n, m_dv, MASK_N, MASK_D or DV < BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
             if BLOCK_DV2 > 0:
-                b_acc2 = tl.dot(b_pv, b_v2, b_acc2, input_precision="ieee")
-        else:
-            b_acc = tl.dot(b_pv, b_v, b_acc)
-            if BLOCK_DV2 > 0:
-                b_acc2 = tl.dot(b_pv, b_v2, b_acc2)
-        b_m = b_m_new
+                b_v2 = _load_tile(p_v2, m_n, m_dv2, MASK_N, True)  # [BLOCK_N, BLOCK_DV2]
+            if UNCHAIN:
+                # With 8 warps Triton lays a dot out over warps by looking forward for a chained dot: the
+                # score dot feeding P @ V would get all 8 warps along the rows, so both warpgroups would
+                # compute the same 64-row score tile. A branch that is always taken (seq_len >= 0) ends
+                # that look-ahead at its yield: the score dots split their columns over the warpgroups
+                # like P @ V does, and P goes through shared memory to P @ V's operand layout.
+                if seq_len >= 0:
+                    b_pv = b_p.to(b_v.dtype)
+                    b_acc = b_acc * b_alpha[:, None]
+                    if BLOCK_DV2 > 0:
+                        b_acc2 = b_acc2 * b_alpha[:, None]
+                else:
+                    b_pv = tl.zeros([BLOCK_H, BLOCK_N], dtype=b_v.dtype)
+            else:
+                b_pv = b_p.to(b_v.dtype)
+            if IEEE:
+                b_acc = tl.dot(b_pv, b_v, b_acc, input_precision="ieee")
+                if BLOCK_DV2 > 0:
+                    b_acc2 = tl.dot(b_pv, b_v2, b_acc2, input_precision="ieee")
+            else:
+                b_acc = tl.dot(b_pv, b_v, b_acc)
+                if BLOCK_DV2 > 0:
+                    b_acc2 = tl.dot(b_pv, b_v2, b_acc2)
+            b_m = b_m_new
 
     # Rows with no visible key have l = 0 and acc = 0 exactly: o = 0, lse = -inf. The test is
     # "l == 0", not "l > 0", so that a NaN read from the cache stays NaN instead of passing as empty.
@@ -266,6 +294,7 @@ def _decode_kernel(
     BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
     MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
     KV_MAJOR: tl.constexpr = False,  # rows ordered (kv head, b, head tile), not (b, kv head, head tile): KV_MAJOR below
+    SPLIT_TAIL: tl.constexpr = False,  # _attend's key masks on the partial last tile only: SPLIT_TAIL below
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -313,7 +342,8 @@ def _decode_kernel(
                         stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
                         S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
-                        HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2)
+                        HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2,
+                        SPLIT_TAIL=SPLIT_TAIL)
             t = seg_end
             excl += nt
             i_b += 1
@@ -335,7 +365,8 @@ def _decode_kernel(
                 stride_op, stride_ob, stride_oh, stride_os, stride_od, stride_lp, stride_lb, stride_lh, stride_ls,
                 S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                 BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
-                HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2)
+                HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2,
+                SPLIT_TAIL=SPLIT_TAIL)
         if FUSED:
             # Split-K ticket: each split of this row tile takes one after storing its partial. The
             # barrier orders every warp's stores before the ticket; acq_rel at GPU scope makes them
@@ -598,6 +629,12 @@ _tickets: dict = {}
 # off. MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
 KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 
+# Key masks on the last partial tile only (SPLIT_TAIL in the kernel; experimental, off): the whole tiles of a KV
+# interval run in a loop with no per-key mask and no -inf select, then the partial tile, if any, once with them.
+# The suspect for gqa_decode trailing scripts/probe_gqa_decode.py's minimal kernel (which masks nothing) by about
+# 0.9 us at B 32: unverified on a GPU. MLA_ATTN_DECODE_SPLIT_TAIL=1 turns it on; the probe times gqa_decode both ways.
+SPLIT_TAIL = os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", "0") == "1"
+
 
 def _fused_merge_tiles(num_splits: int, rows_per_tile: int, block_dv: int):
     """(MERGE_ROWS, MERGE_CHUNK) for a fused merge of this shape, or None when it is not fused."""
@@ -669,7 +706,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     if config is None and _fast.enabled():
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
-               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN, KV_MAJOR)
+               d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN, KV_MAJOR,
+               SPLIT_TAIL)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -771,6 +809,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
                 **(dict(KV_MAJOR=True) if kv_major else {}),
+                **(dict(SPLIT_TAIL=True) if SPLIT_TAIL else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
