@@ -144,20 +144,27 @@ def _balanced(fn, on):
     return _with_decode_flag(fn, "BALANCE", on)
 
 
-def _fused(fn, on):
-    """fn with the decode's fused merge (triton_decode.FUSED_MERGE) forced on or off."""
-    return _with_decode_flag(fn, "FUSED_MERGE", on)
+def _switch_variants(cands, layered, names, flag, labels):
+    """Add 'NAME <on label>' / 'NAME <off label>' rows (both the call and its 8-layer step) for each name, with
+    ``triton_decode.<flag>`` forced on / off, in alternating order so that drift in the GPU's clocks does not favour
+    one side."""
+    for name in names:
+        for i, on in enumerate((True, False, True, False)):
+            tag = f"{name} {labels[0] if on else labels[1]} #{i // 2 + 1}"
+            cands[tag] = _with_decode_flag(cands[name], flag, on)
+            if name in layered:
+                layered[tag] = (lambda mk=layered[name], on=on: _with_decode_flag(mk(), flag, on))
 
 
 def _fused_variants(cands, layered, names):
-    """Add 'NAME fused' / 'NAME combine' rows (both the call and its 8-layer step) for each name, in
-    alternating order so that drift in the GPU's clocks does not favour one side."""
-    for name in names:
-        for i, on in enumerate((True, False, True, False)):
-            tag = f"{name} {'fused' if on else 'combine'} #{i // 2 + 1}"
-            cands[tag] = _fused(cands[name], on)
-            if name in layered:
-                layered[tag] = (lambda mk=layered[name], on=on: _fused(mk(), on))
+    """'NAME fused' / 'NAME combine' rows: the fused merge (triton_decode.FUSED_MERGE) on and off."""
+    _switch_variants(cands, layered, names, "FUSED_MERGE", ("fused", "combine"))
+
+
+def _tail_variants(cands, layered, names):
+    """'NAME tail' / 'NAME masked' rows: key masks on the partial last tile only (triton_decode.SPLIT_TAIL) or on
+    every tile."""
+    _switch_variants(cands, layered, names, "SPLIT_TAIL", ("tail", "masked"))
 
 
 def _no_gluon(fn):
@@ -219,6 +226,10 @@ def bench_mla(args, gen, rows, configs=None):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if args.fused_variants and h <= 16:
             _fused_variants(cands, layered, ["triton", "triton-paged64"])
+        if args.tail_variants:  # the Triton kernel's rows only (SPLIT_TAIL does not reach the Gluon kernel)
+            _tail_variants(cands, layered, [k for k in ("triton", "triton-paged64", "triton-paged1",
+                                                        "triton [triton kernel]", "triton-paged64 [triton kernel]")
+                                            if k in cands])
         if configs and (b, h, length) in SWEEP_MLA:
             for name, cfg in configs(h).items():
                 cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
@@ -276,6 +287,8 @@ def bench_gqa(args, gen, rows, configs=None):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if args.fused_variants:
             _fused_variants(cands, layered, ["triton", "triton-paged64"])
+        if args.tail_variants:
+            _tail_variants(cands, layered, ["triton", "triton-paged64", "triton-paged1"])
         if configs:
             for name, cfg in configs(hq // hkv).items():
                 cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
@@ -530,6 +543,9 @@ def main():
     ap.add_argument("--fused-variants", action="store_true",
                     help="also time GQA and MLA H <= 16 with the fused merge forced on and off "
                          "(twice each, alternating)")
+    ap.add_argument("--tail-variants", action="store_true",
+                    help="also time the Triton kernel's rows with key masks on the partial last tile only "
+                         "(triton_decode.SPLIT_TAIL) and on every tile (twice each, alternating)")
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")

@@ -219,6 +219,28 @@ def test_bench_decode_back_to_back_column(monkeypatch):
     assert cells[-1].strip() == "12.5"
 
 
+def test_bench_decode_switch_variants():
+    """--tail-variants / --fused-variants rows: each named call four times, on / off alternating, the module switch
+    set while the row runs (and while its layered step runs) and put back after."""
+    import bench_decode
+
+    from mla_attn.ops.decode import triton_decode as td
+
+    seen = []
+    cands = {"triton": lambda: seen.append(td.SPLIT_TAIL), "sdpa": lambda: None}
+    layered = {"triton": lambda: lambda: seen.append(("step", td.SPLIT_TAIL))}
+    bench_decode._tail_variants(cands, layered, ["triton"])
+    tags = [k for k in cands if k.startswith("triton ")]
+    assert tags == ["triton tail #1", "triton masked #1", "triton tail #2", "triton masked #2"]
+    for tag in tags:
+        cands[tag]()
+        layered[tag]()()
+    assert seen == [True, ("step", True), False, ("step", False), True, ("step", True), False, ("step", False)]
+    assert td.SPLIT_TAIL is False and "sdpa tail #1" not in cands
+    bench_decode._fused_variants(cands, layered, ["triton"])
+    assert "triton fused #1" in cands and "triton combine #2" in cands
+
+
 def test_plot_odd_widths_reads_the_bench_table():
     # The bar chart's parser against a table bench_attention.py --odd-widths wrote on the GPU (no matplotlib).
     import plot_odd_widths
