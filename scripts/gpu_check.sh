@@ -22,8 +22,8 @@
 #     inputs: each round's ratio, median, range (scripts/bench_row_repeat.py); the GQA decode rows the same way
 #     (scripts/decode_rounds.py)
 #   ONLY=gqaprobe bash scripts/gpu_check.sh [OUTDIR]   large-batch GQA decode: SDPA's kernels (profiler), and a minimal
-#     copy of our kernel with and without per-tile key masks, against gqa_decode and gqa_decode with SPLIT_TAIL
-#     (scripts/probe_gqa_decode.py); then the decode GPU tests with SPLIT_TAIL on
+#     copy of our kernel with and without per-tile key masks, against gqa_decode with and without SPLIT_TAIL
+#     (scripts/probe_gqa_decode.py); then the decode GPU tests with SPLIT_TAIL forced on
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -143,11 +143,12 @@ fi
 if [ "${ONLY:-}" = gqaprobe ]; then
   # What SDPA's GQA decode runs (profiler) and a minimal copy of our kernel, one change at a time, at B 32 / 128
   # (scripts/probe_gqa_decode.py). Session 40 (H100) refuted TMA, deeper rings, persistence, KV-major order and the
-  # length load; the open question is the per-tile key masks (masked against seqload and base, gqa_decode_tail
-  # against gqa_decode), then the decode GPU tests with SPLIT_TAIL on.
+  # length load. Session 41 (H100) found the per-tile key masks (masked against base) and took SPLIT_TAIL for
+  # contiguous GQA caches (gqa_decode against gqa_decode_masked); then the decode GPU tests with SPLIT_TAIL forced on
+  # everywhere (paged and MLA too).
   step "probe GQA decode loads" "$(lim 240)" $PY scripts/probe_gqa_decode.py --rounds 5 --variants base,seqload,masked \
     --out "$out/probe_gqa_decode.md"
-  step "decode GPU tests, SPLIT_TAIL on" "$(lim 200)" bash -c "MLA_ATTN_DECODE_SPLIT_TAIL=1 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_bounds.py 2>&1 | tee '$out/gpu_split_tail_tests.log' | tail -5; exit \${PIPESTATUS[0]}"
+  step "decode GPU tests, SPLIT_TAIL forced on" "$(lim 200)" bash -c "MLA_ATTN_DECODE_SPLIT_TAIL=1 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_bounds.py 2>&1 | tee '$out/gpu_split_tail_tests.log' | tail -5; exit \${PIPESTATUS[0]}"
   echo "gpu_check status: $status"
   exit $status
 fi

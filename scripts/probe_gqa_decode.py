@@ -27,8 +27,9 @@ timed before and do not close it. This probe asks two further questions in one G
    (``eviction_policy="evict_first"`` was meant to be a variant too, but Triton 3.6 drops it from the pipelined
    ``cp.async`` loads: the sm_90a PTX is the same as ``base``'s.)
 
-   ``gqa_decode_kvmajor`` is ``gqa_decode`` itself with ``triton_decode.KV_MAJOR`` on, ``gqa_decode_tail`` with
-   ``triton_decode.SPLIT_TAIL`` on (key masks on the partial last tile only; ``masked`` is its minimal counterpart).
+   ``gqa_decode_kvmajor`` is ``gqa_decode`` itself with ``triton_decode.KV_MAJOR`` on, ``gqa_decode_masked`` with
+   ``triton_decode.SPLIT_TAIL`` off (key masks on every tile, as before session 41; ``masked`` is its minimal
+   counterpart). ``gqa_decode`` masks the partial last tile only, its default on a contiguous cache.
 
    If ``base`` matches ``gqa_decode``, the general kernel's extra code costs nothing here and a variant that beats
    ``base`` names the change to make there.
@@ -252,10 +253,10 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
     q = torch.randn(b, hq, 1, D, generator=gen, device=dev).to(dtype)
     k = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
     v = torch.randn(b, hkv, length, D, generator=gen, device=dev).to(dtype)
-    def ours(switch=None):  # gqa_decode with one module switch of td on (KV_MAJOR, SPLIT_TAIL: in its plan key)
-        old = getattr(td, switch) if switch else None
+    def ours(switch=None, value=True):  # gqa_decode with one module switch of td set (KV_MAJOR, SPLIT_TAIL: in its
+        old = getattr(td, switch) if switch else None  # plan key), put back after
         if switch:
-            setattr(td, switch, True)
+            setattr(td, switch, value)
         try:
             return td.gqa_decode(q, k, v, seq_lens, None, D ** -0.5, None)[0]
         finally:
@@ -264,7 +265,7 @@ def _round(b, hq, hkv, length, variants, gen, r, profile=False, dev="cuda", dtyp
 
     fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
            "gqa_decode": ours, "gqa_decode_kvmajor": lambda: ours("KV_MAJOR"),
-           "gqa_decode_tail": lambda: ours("SPLIT_TAIL")}
+           "gqa_decode_masked": lambda: ours("SPLIT_TAIL", False)}
     for var in variants:
         fns[var] = lambda var=var: mini_decode(q, k, v, var, seq_lens=seq_lens)
     ref = fns["sdpa"]().float().reshape(b, hq, D)

@@ -236,7 +236,7 @@ def test_bench_decode_switch_variants():
         cands[tag]()
         layered[tag]()()
     assert seen == [True, ("step", True), False, ("step", False), True, ("step", True), False, ("step", False)]
-    assert td.SPLIT_TAIL is False and "sdpa tail #1" not in cands
+    assert td.SPLIT_TAIL is None and "sdpa tail #1" not in cands
     bench_decode._fused_variants(cands, layered, ["triton"])
     assert "triton fused #1" in cands and "triton combine #2" in cands
 
@@ -415,12 +415,12 @@ def test_probe_gqa_decode_round_checks_then_times(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     times, lines = probe._round(2, 4, 2, 128, ["base", "seqload", "persist"], gen, 1, profile=True, dev="cpu",
                                 dtype=torch.float32)
-    assert list(times) == ["sdpa", "gqa_decode", "gqa_decode_kvmajor", "gqa_decode_tail", "base", "seqload",
+    assert list(times) == ["sdpa", "gqa_decode", "gqa_decode_kvmajor", "gqa_decode_masked", "base", "seqload",
                            "persist"]
     assert len(timed) == 7
     # rotated by one: gqa_decode was timed first, sdpa last
     assert times["gqa_decode"] == 1e-4 and times["sdpa"] == 1e-4 * 7
-    assert probe.td.KV_MAJOR is False and probe.td.SPLIT_TAIL is False  # those rows put the module switches back
+    assert probe.td.KV_MAJOR is False and probe.td.SPLIT_TAIL is None  # those rows put the module switches back
     assert sum(line.startswith("Kernels of") for line in lines) == 3 and "- {'name': 'k', 'grid': [1, 1, 1]}" in lines
     real = probe.mini_decode
     monkeypatch.setattr(probe, "mini_decode", lambda *a, **kw: real(*a, **kw) * 0.5)
@@ -434,10 +434,11 @@ def test_probe_gqa_decode_round_checks_then_times(monkeypatch):
     with pytest.raises(RuntimeError, match="gqa_decode_kvmajor differs from SDPA"):
         probe._round(2, 4, 2, 128, [], gen, 0, dev="cpu", dtype=torch.float32)
     assert timed == []
-    monkeypatch.setattr(td, "gqa_decode", lambda *a, **kw: (real_gqa(*a, **kw)[0] * (0.5 if td.SPLIT_TAIL else 1), None))
-    with pytest.raises(RuntimeError, match="gqa_decode_tail differs from SDPA"):
+    monkeypatch.setattr(td, "gqa_decode",
+                        lambda *a, **kw: (real_gqa(*a, **kw)[0] * (0.5 if td.SPLIT_TAIL is False else 1), None))
+    with pytest.raises(RuntimeError, match="gqa_decode_masked differs from SDPA"):
         probe._round(2, 4, 2, 128, [], gen, 0, dev="cpu", dtype=torch.float32)
-    assert timed == [] and td.SPLIT_TAIL is False
+    assert timed == [] and td.SPLIT_TAIL is None
 
 
 def test_probe_gqa_decode_table(tmp_path, monkeypatch):

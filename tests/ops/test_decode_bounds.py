@@ -78,12 +78,14 @@ def test_gqa_decode_reads_only_live_tokens(page, splits, d, split, span, check, 
     torch.testing.assert_close(o, ref.float(), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("switch", ["KV_MAJOR", "SPLIT_TAIL"])
+@pytest.mark.parametrize("switch,value", [("KV_MAJOR", True), ("SPLIT_TAIL", True), ("SPLIT_TAIL", False)],
+                         ids=["KV_MAJOR", "SPLIT_TAIL", "every-tile-masked"])
 @pytest.mark.parametrize("page,splits", [(None, 1), (None, 5), (16, 3)], ids=lambda x: str(x))
-def test_gqa_decode_switches_read_only_live_tokens(page, splits, switch, check, monkeypatch):
-    """The same bounds with programs ordered KV head first (td.KV_MAJOR) and with the key masks on the partial last
-    tile only (td.SPLIT_TAIL: the whole tiles load unmasked), each off by default."""
-    monkeypatch.setattr(td, switch, True)
+def test_gqa_decode_switches_read_only_live_tokens(page, splits, switch, value, check, monkeypatch):
+    """The same bounds with programs ordered KV head first (td.KV_MAJOR, off by default), with the key masks on the
+    partial last tile only (td.SPLIT_TAIL forced on, paged too: the whole tiles load unmasked) and on every tile
+    (forced off, contiguous too)."""
+    monkeypatch.setattr(td, switch, value)
     test_gqa_decode_reads_only_live_tokens(page, splits, 32, False, False, check, monkeypatch)
 
 

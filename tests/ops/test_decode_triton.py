@@ -313,7 +313,7 @@ def test_mla_decode(case):
     _check(o, lse, ref_o, ref_lse, base, dtype)
 
 
-# td.SPLIT_TAIL (off by default) in the MLA kernel: two score blocks, NoPE, S 2, pages larger than the tile and
+# td.SPLIT_TAIL forced on in the MLA kernel (its default there is off): two score blocks, NoPE, S 2, pages larger than the tile and
 # pages of no power of two, against the same oracle.
 SPLIT_TAIL_MLA = [MLA_CASES[i] for i in (0, 1, 4, 5, 7, 8)]
 
@@ -522,10 +522,11 @@ def test_fused_merge_off_uses_combine(monkeypatch):
     assert calls == [1]
 
 
-# Module switches of the kernel, off by default: programs ordered KV head first (td.KV_MAJOR) and key masks on the
-# partial last tile only (td.SPLIT_TAIL). Each gives the same answer over odd head counts, zero-length sequences,
-# lengths that are and are not whole 32-key tiles (the interpreter's), pages and splits (NaN in every unused slot).
-# The spy asserts the kernel was given the switch.
+# Module switches of the kernel: programs ordered KV head first (td.KV_MAJOR, off by default) and key masks on the
+# partial last tile only (td.SPLIT_TAIL; by default on contiguous GQA caches only), each forced on, and SPLIT_TAIL
+# forced off (every tile masked, the default for paged caches and MLA). Each gives the same answer over odd head
+# counts, zero-length sequences, lengths that are and are not whole 32-key tiles (the interpreter's), pages and
+# splits (NaN in every unused slot). The spy asserts the kernel was given the switch as set.
 # (B, Hq, Hkv, D, S, lens, page, splits, dtype)
 SWITCH_CASES = [
     (3, 9, 3, 64, 1, [0, 63, 113], None, 1, F32),
@@ -533,14 +534,16 @@ SWITCH_CASES = [
     (2, 12, 3, 64, 1, [113, 70], 4, None, F32),
     (3, 8, 2, 64, 1, [64, 32, 0], None, 2, F32),  # whole tiles only: no masked pass
     (2, 4, 2, 32, 2, [96, 33], 16, 1, F16),  # S 2 over whole tiles: the causal mask without the key mask
+    (2, 4, 2, 32, 2, [96, 33], None, 1, F16),  # the same, contiguous
 ]
 
 
-@pytest.mark.parametrize("switch", ["KV_MAJOR", "SPLIT_TAIL"])
+@pytest.mark.parametrize("switch,value", [("KV_MAJOR", True), ("SPLIT_TAIL", True), ("SPLIT_TAIL", False)],
+                         ids=["KV_MAJOR", "SPLIT_TAIL", "every-tile-masked"])
 @pytest.mark.parametrize("case", SWITCH_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}_{c[2]}-L{max(c[5])}-P{c[6]}-splits{c[7]}")
-def test_gqa_decode_switches(case, switch, monkeypatch):
+def test_gqa_decode_switches(case, switch, value, monkeypatch):
     b, hq, hkv, d, s, lens, page, splits, dtype = case
-    monkeypatch.setattr(td, switch, True)
+    monkeypatch.setattr(td, switch, value)
     passed = []
 
     class Spy(td.Launch):
@@ -551,9 +554,21 @@ def test_gqa_decode_switches(case, switch, monkeypatch):
     monkeypatch.setattr(td, "Launch", Spy)
     q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, d, s, lens, page, dtype)
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
-    assert passed and all(passed)
+    assert passed and all(p is value for p in passed)
     ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=d ** -0.5)
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
+
+
+def test_split_tail_default_rule(monkeypatch):
+    """SPLIT_TAIL None (the default): contiguous GQA caches only; True / False: everywhere / nowhere."""
+    monkeypatch.setattr(td, "SPLIT_TAIL", None)
+    f = td._split_tail
+    assert f(False, False)  # GQA, contiguous
+    assert not f(False, True) and not f(True, False) and not f(True, True)  # GQA paged, MLA
+    monkeypatch.setattr(td, "SPLIT_TAIL", True)
+    assert f(True, True) and f(False, True)
+    monkeypatch.setattr(td, "SPLIT_TAIL", False)
+    assert not f(False, False)
 
 
 def test_fused_merge_tiles_rule(monkeypatch):

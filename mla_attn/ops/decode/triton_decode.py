@@ -294,7 +294,7 @@ def _decode_kernel(
     BLOCK_DV2: tl.constexpr = 0,  # the value head's tail (GQA widths such as 72 = 64 + 16; _head_split)
     MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
     KV_MAJOR: tl.constexpr = False,  # rows ordered (kv head, b, head tile), not (b, kv head, head tile): KV_MAJOR below
-    SPLIT_TAIL: tl.constexpr = False,  # _attend's key masks on the partial last tile only: SPLIT_TAIL below
+    SPLIT_TAIL: tl.constexpr = False,  # _attend's key masks on the partial last tile only: _split_tail below
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -629,11 +629,22 @@ _tickets: dict = {}
 # off. MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
 KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 
-# Key masks on the last partial tile only (SPLIT_TAIL in the kernel; experimental, off): the whole tiles of a KV
-# interval run in a loop with no per-key mask and no -inf select, then the partial tile, if any, once with them.
-# The suspect for gqa_decode trailing scripts/probe_gqa_decode.py's minimal kernel (which masks nothing) by about
-# 0.9 us at B 32: unverified on a GPU. MLA_ATTN_DECODE_SPLIT_TAIL=1 turns it on; the probe times gqa_decode both ways.
-SPLIT_TAIL = os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", "0") == "1"
+# Key masks on the last partial tile only (SPLIT_TAIL in the kernel): the whole tiles of a KV interval run in a loop
+# with no per-key mask and no -inf select, then the partial tile, if any, once with them (not pipelined: its loads
+# go through registers). scripts/probe_gqa_decode.py's minimal kernel with every tile masked ran as slowly as
+# gqa_decode (354.7 us at B 32, against 353.7 unmasked; H100, 96b01eb), and gqa_decode this way gained 0.6 us at
+# B 32 and 1.0 at B 128, ranges apart (docs/raw/probe_gqa_decode_96b01eb_h100.md). Over the rows
+# (bench_decode.py --tail-variants, H100, 78e833b; docs/raw/bench_decode_tail_78e833b_h100.md) it won only on
+# contiguous GQA caches: 0.6% at B 1, 0.2% at B 32; paged 64 lost 0.4-1.3%, pages of 1 won at B 32 and lost at B 1,
+# and MLA H 16 lost 3-8% (its 64 x 576 tail tile through registers spills: 164 / 320 bytes at sm_90a, none without
+# SPLIT_TAIL; scripts/compile_sm90.py decode 16,64,4,3 --paged --split-tail). Why paged GQA loses is not known (no
+# spills there). So None, the default, takes it for contiguous GQA caches only; True / False force it everywhere /
+# nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
+SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", ""), None)
+
+
+def _split_tail(mla: bool, paged: bool) -> bool:
+    return (not mla and not paged) if SPLIT_TAIL is None else SPLIT_TAIL
 
 
 def _fused_merge_tiles(num_splits: int, rows_per_tile: int, block_dv: int):
@@ -809,7 +820,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
                 **(dict(KV_MAJOR=True) if kv_major else {}),
-                **(dict(SPLIT_TAIL=True) if SPLIT_TAIL else {}),
+                **(dict(SPLIT_TAIL=True) if _split_tail(mla, paged) else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
