@@ -167,6 +167,37 @@ def _tail_variants(cands, layered, names):
     _switch_variants(cands, layered, names, "SPLIT_TAIL", ("tail", "masked"))
 
 
+def _tail_pipe_variants(cands, layered, names):
+    """'NAME pipe' / 'NAME regs' rows: SPLIT_TAIL forced on, its partial tile pipelined (triton_decode.TAIL_PIPELINED)
+    or loaded through registers. Each is checked on its first call against NAME's output with the default switches
+    (TAIL_PIPELINED off: the variants set it around the check too)."""
+    on = {n: _checked_against(_with_decode_flag(cands[n], "SPLIT_TAIL", True),
+                              _with_decode_flag(cands[n], "TAIL_PIPELINED", False)) for n in names}
+    mk = {n: (lambda m=layered[n]: _with_decode_flag(m(), "SPLIT_TAIL", True)) for n in names if n in layered}
+    sub_c, sub_l = dict(on), dict(mk)
+    _switch_variants(sub_c, sub_l, names, "TAIL_PIPELINED", ("pipe", "regs"))
+    cands.update({k: v for k, v in sub_c.items() if k not in names})
+    layered.update({k: v for k, v in sub_l.items() if k not in names})
+
+
+def _checked_against(fn, ref, atol=2e-2):
+    """fn, whose first call also runs ref and raises RuntimeError where their first outputs differ by more than atol
+    (bf16 outputs of the same attention: the variants differ only in how the cache is loaded)."""
+    state = {"checked": False}
+
+    def run():
+        out = fn()
+        if not state["checked"]:
+            state["checked"] = True
+            a, b = (x[0] if isinstance(x, tuple) else x for x in (out, ref()))
+            err = (a.float() - b.float()).abs().max().item()
+            if not err <= atol:
+                raise RuntimeError(f"variant differs from its reference by {err:.3g} (> {atol})")
+        return out
+
+    return run
+
+
 def _no_gluon(fn):
     """fn with the Gluon MLA kernel switched off."""
     return _with_decode_flag(fn, "GLUON_MLA", False)
@@ -226,10 +257,12 @@ def bench_mla(args, gen, rows, configs=None):
                     cands[f"{name} {'balanced' if on else 'per-seq'}"] = _balanced(cands[name], on)
         if args.fused_variants and h <= 16:
             _fused_variants(cands, layered, ["triton", "triton-paged64"])
+        triton_rows = [k for k in ("triton", "triton-paged64", "triton-paged1", "triton [triton kernel]",
+                                   "triton-paged64 [triton kernel]") if k in cands]
         if args.tail_variants:  # the Triton kernel's rows only (SPLIT_TAIL does not reach the Gluon kernel)
-            _tail_variants(cands, layered, [k for k in ("triton", "triton-paged64", "triton-paged1",
-                                                        "triton [triton kernel]", "triton-paged64 [triton kernel]")
-                                            if k in cands])
+            _tail_variants(cands, layered, triton_rows)
+        if args.tail_pipe_variants:
+            _tail_pipe_variants(cands, layered, triton_rows)
         if configs and (b, h, length) in SWEEP_MLA:
             for name, cfg in configs(h).items():
                 cands[f"paged64 {name}"] = (lambda cfg=cfg: mla_decode(q4, qr4, pc, pkr, seq_lens, table, scale, None,
@@ -289,6 +322,8 @@ def bench_gqa(args, gen, rows, configs=None):
             _fused_variants(cands, layered, ["triton", "triton-paged64"])
         if args.tail_variants:
             _tail_variants(cands, layered, ["triton", "triton-paged64", "triton-paged1"])
+        if args.tail_pipe_variants:
+            _tail_pipe_variants(cands, layered, ["triton", "triton-paged64", "triton-paged1"])
         if configs:
             for name, cfg in configs(hq // hkv).items():
                 cands[f"contig {name}"] = lambda cfg=cfg: gqa_decode(q, k, v, seq_lens, None, d ** -0.5, None,
@@ -546,6 +581,10 @@ def main():
     ap.add_argument("--tail-variants", action="store_true",
                     help="also time the Triton kernel's rows with key masks on the partial last tile only "
                          "(triton_decode.SPLIT_TAIL) and on every tile (twice each, alternating)")
+    ap.add_argument("--tail-pipe-variants", action="store_true",
+                    help="also time the Triton kernel's rows with SPLIT_TAIL on, its partial tile pipelined "
+                         "(triton_decode.TAIL_PIPELINED) and through registers (twice each, alternating; each "
+                         "checked against the row's default output first)")
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")

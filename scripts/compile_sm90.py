@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--fused", metavar="ROWS,CHUNK", help="decode: FUSED merge with MERGE_ROWS, MERGE_CHUNK")
     ap.add_argument("--balanced", action="store_true", help="decode: BALANCED (workers over the batch's tiles)")
     ap.add_argument("--split-tail", action="store_true", help="decode: SPLIT_TAIL (key masks on the partial last tile only)")
+    ap.add_argument("--tail-pipelined", action="store_true", help="decode --split-tail: TAIL_PIPELINED (the partial tile pipelined)")
     ap.add_argument("--pv-first", type=int, default=1, help="gluon_mla --s-once: 0 S first, 1 P V of tile t-1 before S of tile t, 2 and waited for")
     ap.add_argument("--dedicated", type=int, default=0,
                     help="gluon_mla --s-once: 1 a scorer warpgroup and two P V warpgroups, 2 with Q's latent half in "
@@ -146,7 +147,8 @@ def main():
                      PAGED=args.paged, PAGE_SIZE=64 if args.paged else 1, TILE_IN_PAGE=args.paged and 64 % b == 0,
                      HAS_K2=not args.gqa or bool(gqa_split and gqa_split[1]), V_IS_K1=not args.gqa, IEEE=False, UNCHAIN=args.unchain,
                      BALANCED=args.balanced, MAX_B=64 if args.balanced else 1, FUSED=False, MERGE_ROWS=1, MERGE_CHUNK=1,
-                     KV_MAJOR=False, SPLIT_TAIL=args.split_tail)
+                     KV_MAJOR=False, SPLIT_TAIL=args.split_tail,
+                     TAIL_PIPELINED=args.tail_pipelined)
         if args.fused:
             rows, chunk = map(int, args.fused.split(","))
             const.update(FUSED=True, MERGE_ROWS=rows, MERGE_CHUNK=chunk)

@@ -241,6 +241,40 @@ def test_bench_decode_switch_variants():
     assert "triton fused #1" in cands and "triton combine #2" in cands
 
 
+def test_bench_decode_tail_pipe_variants():
+    """--tail-pipe-variants rows: SPLIT_TAIL forced on in every row, TAIL_PIPELINED on / off alternating, both put
+    back after; each row's first call is checked against the row's default output, and a variant that differs
+    raises instead of being timed."""
+    import bench_decode
+
+    from mla_attn.ops.decode import triton_decode as td
+
+    seen = []
+
+    def triton():
+        seen.append((td.SPLIT_TAIL, td.TAIL_PIPELINED))
+        return torch.ones(2), None
+
+    cands = {"triton": triton}
+    layered = {"triton": lambda: lambda: seen.append(("step", td.SPLIT_TAIL, td.TAIL_PIPELINED))}
+    bench_decode._tail_pipe_variants(cands, layered, ["triton"])
+    tags = [k for k in cands if k != "triton"]
+    assert tags == ["triton pipe #1", "triton regs #1", "triton pipe #2", "triton regs #2"]
+    cands["triton pipe #1"]()  # the variant, then its reference with the module's switches
+    assert seen == [(True, True), (None, False)]
+    cands["triton pipe #1"]()  # checked once
+    layered["triton regs #1"]()()
+    assert seen[2:] == [(True, True), ("step", True, False)]
+    assert td.SPLIT_TAIL is None and td.TAIL_PIPELINED is False
+
+    bad = bench_decode._checked_against(lambda: torch.ones(3) * 1.05, lambda: (torch.ones(3), None))
+    with pytest.raises(RuntimeError, match="differs from its reference by 0.05"):
+        bad()
+    nan = bench_decode._checked_against(lambda: torch.full((3,), float("nan")), lambda: torch.ones(3))
+    with pytest.raises(RuntimeError, match="nan"):
+        nan()
+
+
 def test_plot_odd_widths_reads_the_bench_table():
     # The bar chart's parser against a table bench_attention.py --odd-widths wrote on the GPU (no matplotlib).
     import plot_odd_widths

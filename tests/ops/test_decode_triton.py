@@ -559,6 +559,35 @@ def test_gqa_decode_switches(case, switch, value, monkeypatch):
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, d ** -0.5), dtype)
 
 
+@pytest.mark.parametrize("split_tail", [True, None], ids=["split-tail", "default"])
+def test_tail_pipelined_reaches_the_kernel(split_tail, monkeypatch):
+    """td.TAIL_PIPELINED on: passed to the kernel only where SPLIT_TAIL is taken (with SPLIT_TAIL None, the default,
+    not for MLA or a paged GQA cache), and the answer is the oracle's. The interpreter ignores num_stages, so this
+    checks the wiring and the answer; the pipelined schedule itself runs on the GPU (scripts/gpu_check.sh
+    ONLY=tailpipe)."""
+    monkeypatch.setattr(td, "SPLIT_TAIL", split_tail)
+    monkeypatch.setattr(td, "TAIL_PIPELINED", True)
+    passed = []
+
+    class Spy(td.Launch):
+        def __init__(self, fn, grid, args, kwargs, options):
+            if fn is td._decode_kernel:
+                passed.append((kwargs.get("SPLIT_TAIL", False), kwargs.get("TAIL_PIPELINED", False)))
+            super().__init__(fn, grid, args, kwargs, options)
+    monkeypatch.setattr(td, "Launch", Spy)
+    for page in (None, 16):
+        q, k, v, seq_lens, table = _gqa_inputs(3, 9, 3, 32, 32, 1, [0, 63, 45], page, F32)
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, 32 ** -0.5, 2)
+        ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=32 ** -0.5)
+        _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, 32 ** -0.5), F32)
+    ql, qr, c, kr, seq_lens, table = _mla_inputs(2, 4, 64, 16, 1, [17, 100], 16, F32, 1.0)
+    o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, 1)
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125), F32)
+    on = (True, True)
+    assert passed == ([on, on, on] if split_tail else [on, (False, False), (False, False)])
+
+
 def test_split_tail_default_rule(monkeypatch):
     """SPLIT_TAIL None (the default): contiguous GQA caches only; True / False: everywhere / nowhere."""
     monkeypatch.setattr(td, "SPLIT_TAIL", None)

@@ -76,6 +76,7 @@ def _attend(
     UNCHAIN: tl.constexpr,  # keep the score dots from being laid out for the P @ V chain (8 warps)
     BLOCK_DV2: tl.constexpr = 0,  # > 0: the value head split, BLOCK_DV columns then a tail of these (masked to DV)
     SPLIT_TAIL: tl.constexpr = False,  # whole tiles in a loop without key masks, then the last partial tile masked
+    TAIL_PIPELINED: tl.constexpr = False,  # SPLIT_TAIL: the partial tile's loop pipelined too (through shared memory)
 ):
     """One program's rows over one KV interval: online softmax, then (o, lse) written to part i_part."""
     i_b64 = i_b.to(tl.int64)
@@ -129,7 +130,8 @@ def _attend(
         else:  # pages smaller than a tile: one table entry per token
             next_pages = tl.load(p_bt + ((lo + o_nl) // PAGE_SIZE) * stride_btp, mask=lo + o_nl < hi, other=0)
     # SPLIT_TAIL: pass 0 takes the whole tiles of [lo, hi) with no key mask, pass 1 the partial last tile, if any,
-    # masked (not pipelined: it runs at most once). Otherwise one masked pass over [lo, hi), as before SPLIT_TAIL.
+    # masked (not pipelined: it runs at most once; TAIL_PIPELINED pipelines it, so that its loads go through shared
+    # memory instead of registers). Otherwise one masked pass over [lo, hi), as before SPLIT_TAIL.
     # MASK_D keeps the column masks of that one pass even where a head fills its block (the code it was timed with).
     whole_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # hi < lo: a split past the end (empty)
     MASK_D: tl.constexpr = not SPLIT_TAIL
@@ -140,7 +142,7 @@ def _attend(
             p_lo, p_hi = lo, whole_hi
         else:
             p_lo, p_hi = whole_hi, hi
-        for start in tl.range(p_lo, p_hi, BLOCK_N, num_stages=1 if SPLIT_TAIL and MASK_N == 1 else None):
+        for start in tl.range(p_lo, p_hi, BLOCK_N, num_stages=1 if SPLIT_TAIL and MASK_N == 1 and not TAIL_PIPELINED else None):
             o_n = start + o_nl  # [BLOCK_N] token positions
             m_n = o_n < hi  # MASK_N only
             if PAGED and not TILE_IN_PAGE:
@@ -295,6 +297,7 @@ def _decode_kernel(
     MERGE_DV: tl.constexpr = 1,  # FUSED: the merge's width (a power of two >= DV; BLOCK_DV unless the value is split)
     KV_MAJOR: tl.constexpr = False,  # rows ordered (kv head, b, head tile), not (b, kv head, head tile): KV_MAJOR below
     SPLIT_TAIL: tl.constexpr = False,  # _attend's key masks on the partial last tile only: _split_tail below
+    TAIL_PIPELINED: tl.constexpr = False,  # SPLIT_TAIL's partial tile pipelined: TAIL_PIPELINED below
 ):
     if STRIDE_UNIT != 1:  # multiplied back: Triton now knows a d 72 row's addresses are 16-byte aligned
         stride_q1b, stride_q1h, stride_q1s = _in_units(stride_q1b, stride_q1h, stride_q1s, STRIDE_UNIT)
@@ -343,7 +346,7 @@ def _decode_kernel(
                         S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
                         HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2,
-                        SPLIT_TAIL=SPLIT_TAIL)
+                        SPLIT_TAIL=SPLIT_TAIL, TAIL_PIPELINED=TAIL_PIPELINED)
             t = seg_end
             excl += nt
             i_b += 1
@@ -366,7 +369,7 @@ def _decode_kernel(
                 S=S, D1=D1, D2=D2, DV=DV, BLOCK_D1=BLOCK_D1, BLOCK_D2=BLOCK_D2, BLOCK_DV=BLOCK_DV,
                 BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, TILE_IN_PAGE=TILE_IN_PAGE,
                 HAS_K2=HAS_K2, V_IS_K1=V_IS_K1, IEEE=IEEE, UNCHAIN=UNCHAIN, BLOCK_DV2=BLOCK_DV2,
-                SPLIT_TAIL=SPLIT_TAIL)
+                SPLIT_TAIL=SPLIT_TAIL, TAIL_PIPELINED=TAIL_PIPELINED)
         if FUSED:
             # Split-K ticket: each split of this row tile takes one after storing its partial. The
             # barrier orders every warp's stores before the ticket; acq_rel at GPU scope makes them
@@ -642,6 +645,13 @@ KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 # nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
 SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", ""), None)
 
+# Where SPLIT_TAIL is taken, the partial tile's loop pipelined like the whole tiles' (its K / V through shared
+# memory by cp.async) instead of loaded into registers. Experimental, off (MLA_ATTN_DECODE_TAIL_PIPELINED=1 turns it
+# on): at sm_90a (Triton 3.6) it takes MLA 16 x 64 from 164 / 320 bytes of spills to 12 / 20 paged and none
+# contiguous, in the same 164 KB of shared memory (the two loops' buffers are shared), but its prologue cannot
+# overlap the whole tiles' last loads. Not yet timed.
+TAIL_PIPELINED = os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", "0") == "1"
+
 
 def _split_tail(mla: bool, paged: bool) -> bool:
     return (not mla and not paged) if SPLIT_TAIL is None else SPLIT_TAIL
@@ -718,7 +728,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
         key = (tensor_key(q1), tensor_key(q2), tensor_key(k1), k1_strides, tensor_key(k2), k2_strides,
                tensor_key(v), v_strides, tensor_key(seq_lens), tensor_key(block_table), page_size, num_kv_heads,
                d_v, num_splits, capacity, mla, BALANCE, FUSED_MERGE, STRIDE_UNITS, dv_tiles, PAGE_SPAN, KV_MAJOR,
-               SPLIT_TAIL)
+               SPLIT_TAIL, TAIL_PIPELINED)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(q1, q2, k1, k2, v, seq_lens, block_table, scale)
@@ -821,6 +831,7 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
                 **(dict(KV_MAJOR=True) if kv_major else {}),
                 **(dict(SPLIT_TAIL=True) if _split_tail(mla, paged) else {}),
+                **(dict(TAIL_PIPELINED=True) if TAIL_PIPELINED and _split_tail(mla, paged) else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
