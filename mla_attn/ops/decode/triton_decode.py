@@ -648,8 +648,12 @@ SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_T
 # Where SPLIT_TAIL is taken, the partial tile's loop pipelined like the whole tiles' (its K / V through shared
 # memory by cp.async) instead of loaded into registers. Experimental, off (MLA_ATTN_DECODE_TAIL_PIPELINED=1 turns it
 # on): at sm_90a (Triton 3.6) it takes MLA 16 x 64 from 164 / 320 bytes of spills to 12 / 20 paged and none
-# contiguous, in the same 164 KB of shared memory (the two loops' buffers are shared), but its prologue cannot
-# overlap the whole tiles' last loads. Not yet timed.
+# contiguous, in the same 164 KB of shared memory (the two loops' buffers are shared). On an H100 (97b687c,
+# docs/raw/bench_decode_tailpipe_97b687c_h100.md; graph replays) MLA H 16 over pages of 64, one page a tile, ran
+# 1.0-1.4% faster than every tile masked (198.7 against 201.4 us at B 128, 203.6 against 205.7 at B 64), contiguous
+# MLA tied, and it lost over pages of 1 (4-5%) and in GQA (B 32: 0.3% contiguous, 1.3% paged 64). It stays off
+# until the decode GPU tests pass with it (scripts/gpu_check.sh ONLY=tailpipe) and an H200 agrees; then the rule
+# to try is SPLIT_TAIL with TAIL_PIPELINED for MLA where a tile lies in one page.
 TAIL_PIPELINED = os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", "0") == "1"
 
 
