@@ -142,7 +142,8 @@ def _attend(
             p_lo, p_hi = lo, whole_hi
         else:
             p_lo, p_hi = whole_hi, hi
-        for start in tl.range(p_lo, p_hi, BLOCK_N, num_stages=1 if SPLIT_TAIL and MASK_N == 1 and not TAIL_PIPELINED else None):
+        for start in tl.range(p_lo, p_hi, BLOCK_N,
+                              num_stages=1 if SPLIT_TAIL and MASK_N == 1 and not TAIL_PIPELINED else None):
             o_n = start + o_nl  # [BLOCK_N] token positions
             m_n = o_n < hi  # MASK_N only
             if PAGED and not TILE_IN_PAGE:
