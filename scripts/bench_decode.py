@@ -174,10 +174,9 @@ def _tail_pipe_variants(cands, layered, names):
     on = {n: _checked_against(_with_decode_flag(cands[n], "SPLIT_TAIL", True),
                               _with_decode_flag(cands[n], "TAIL_PIPELINED", False)) for n in names}
     mk = {n: (lambda m=layered[n]: _with_decode_flag(m(), "SPLIT_TAIL", True)) for n in names if n in layered}
-    sub_c, sub_l = dict(on), dict(mk)
-    _switch_variants(sub_c, sub_l, names, "TAIL_PIPELINED", ("pipe", "regs"))
-    cands.update({k: v for k, v in sub_c.items() if k not in names})
-    layered.update({k: v for k, v in sub_l.items() if k not in names})
+    _switch_variants(on, mk, names, "TAIL_PIPELINED", ("pipe", "regs"))  # adds the rows beside names' wrappers
+    cands.update({k: v for k, v in on.items() if k not in names})
+    layered.update({k: v for k, v in mk.items() if k not in names})
 
 
 def _checked_against(fn, ref, atol=2e-2):
