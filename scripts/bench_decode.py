@@ -167,16 +167,25 @@ def _tail_variants(cands, layered, names):
     _switch_variants(cands, layered, names, "SPLIT_TAIL", ("tail", "masked"))
 
 
+# --tail-pipe-variants: label -> (SPLIT_TAIL, TAIL_PIPELINED) forced
+TAIL_PIPE_LABELS = {"pipe": (True, True), "regs": (True, False), "masked": (False, False)}
+
+
 def _tail_pipe_variants(cands, layered, names):
-    """'NAME pipe' / 'NAME regs' rows: SPLIT_TAIL forced on, its partial tile pipelined (triton_decode.TAIL_PIPELINED)
-    or loaded through registers. Each is checked on its first call against NAME's output with the default switches
-    (TAIL_PIPELINED off: the variants set it around the check too)."""
-    on = {n: _checked_against(_with_decode_flag(cands[n], "SPLIT_TAIL", True),
-                              _with_decode_flag(cands[n], "TAIL_PIPELINED", False)) for n in names}
-    mk = {n: (lambda m=layered[n]: _with_decode_flag(m(), "SPLIT_TAIL", True)) for n in names if n in layered}
-    _switch_variants(on, mk, names, "TAIL_PIPELINED", ("pipe", "regs"))  # adds the rows beside names' wrappers
-    cands.update({k: v for k, v in on.items() if k not in names})
-    layered.update({k: v for k, v in mk.items() if k not in names})
+    """'NAME pipe' / 'NAME regs' / 'NAME masked' rows, twice each in rotating order: SPLIT_TAIL forced on with its
+    partial tile pipelined (triton_decode.TAIL_PIPELINED) or loaded through registers, and every tile masked
+    (SPLIT_TAIL off). NAME's own row is the default rule. Each pipe / regs row is checked on its first call against
+    NAME's output with every tile masked."""
+    for name in names:
+        ref = _with_decode_flags(cands[name], {"SPLIT_TAIL": False, "TAIL_PIPELINED": False})
+        for i in range(2):
+            for label, (split, pipe) in TAIL_PIPE_LABELS.items():
+                tag = f"{name} {label} #{i + 1}"
+                flags = {"SPLIT_TAIL": split, "TAIL_PIPELINED": pipe}
+                fn = _with_decode_flags(cands[name], flags)
+                cands[tag] = _checked_against(fn, ref) if split else fn
+                if name in layered:
+                    layered[tag] = (lambda mk=layered[name], f=flags: _with_decode_flags(mk(), f))
 
 
 def _checked_against(fn, ref, atol=2e-2):
@@ -582,8 +591,8 @@ def main():
                          "(triton_decode.SPLIT_TAIL) and on every tile (twice each, alternating)")
     ap.add_argument("--tail-pipe-variants", action="store_true",
                     help="also time the Triton kernel's rows with SPLIT_TAIL on, its partial tile pipelined "
-                         "(triton_decode.TAIL_PIPELINED) and through registers (twice each, alternating; each "
-                         "checked against the row's default output first)")
+                         "(triton_decode.TAIL_PIPELINED) and through registers, and with every tile masked (twice "
+                         "each, in rotation; the first two checked against the masked output first)")
     ap.add_argument("--shapes", default=None,
                     help="only these rows, e.g. 'gqa1,mla64x16' (gqaB: GQA batch B; mlaBxH: MLA batch B, H heads)")
     ap.add_argument("--gluon-mla", metavar="OUT", help="only: time the Gluon MLA decode kernel (both schedules, direct calls) against the Triton kernel")

@@ -24,8 +24,8 @@
 #   ONLY=gqaprobe bash scripts/gpu_check.sh [OUTDIR]   large-batch GQA decode: SDPA's kernels (profiler), and a minimal
 #     copy of our kernel with and without per-tile key masks, against gqa_decode with and without SPLIT_TAIL
 #     (scripts/probe_gqa_decode.py); then the decode GPU tests with SPLIT_TAIL forced on
-#   ONLY=tailpipe bash scripts/gpu_check.sh [OUTDIR]   SPLIT_TAIL's partial tile pipelined (TAIL_PIPELINED) against
-#     through registers, on the MLA H 16 and GQA B 1 / 32 rows; then the decode GPU tests with both forced on
+#   ONLY=tailpipe bash scripts/gpu_check.sh [OUTDIR]   SPLIT_TAIL's partial tile pipelined (TAIL_PIPELINED), through
+#     registers and every tile masked, on the MLA H 16 and GQA B 32 rows; then the decode GPU tests with both forced on
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -155,11 +155,11 @@ if [ "${ONLY:-}" = gqaprobe ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = tailpipe ]; then
-  # Session 42: SPLIT_TAIL with its partial tile pipelined (TAIL_PIPELINED), meant for MLA and paged caches, where
-  # the tail through registers lost (MLA spills). The bench first (every variant checked against the row's default
-  # output before it is timed), then the decode GPU tests with both switches forced on.
-  step "bench decode: tail pipelined / through registers" "$(lim 200)" $PY scripts/bench_decode.py --tail-pipe-variants --graph --layers 0 \
-    --shapes mla128x16,mla64x16,gqa1,gqa32 --out "$out/bench_decode_tailpipe.md"
+  # Sessions 42-43: SPLIT_TAIL with its partial tile pipelined (TAIL_PIPELINED; the default for MLA over whole-page
+  # tiles since session 43), through registers, and every tile masked. The bench first (each split-tail variant
+  # checked against the masked output before it is timed), then the decode GPU tests with both switches forced on.
+  step "bench decode: tail pipelined / through registers / masked" "$(lim 200)" $PY scripts/bench_decode.py --tail-pipe-variants --graph --layers 0 \
+    --shapes mla128x16,mla64x16,gqa32 --out "$out/bench_decode_tailpipe.md"
   step "decode GPU tests, SPLIT_TAIL and TAIL_PIPELINED forced on" "$(lim 240)" bash -c "MLA_ATTN_DECODE_SPLIT_TAIL=1 MLA_ATTN_DECODE_TAIL_PIPELINED=1 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_bounds.py 2>&1 | tee '$out/gpu_tail_pipelined_tests.log' | tail -5; exit \${PIPESTATUS[0]}"
   echo "gpu_check status: $status"
   exit $status

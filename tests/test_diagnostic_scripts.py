@@ -242,9 +242,9 @@ def test_bench_decode_switch_variants():
 
 
 def test_bench_decode_tail_pipe_variants():
-    """--tail-pipe-variants rows: SPLIT_TAIL forced on in every row, TAIL_PIPELINED on / off alternating, both put
-    back after; each row's first call is checked against the row's default output, and a variant that differs
-    raises instead of being timed."""
+    """--tail-pipe-variants rows: SPLIT_TAIL forced on with TAIL_PIPELINED on / off, and every tile masked, in
+    rotation, the switches put back after; each split-tail row's first call is checked against the row's output with
+    every tile masked, and a variant that differs raises instead of being timed."""
     import bench_decode
 
     from mla_attn.ops.decode import triton_decode as td
@@ -259,13 +259,16 @@ def test_bench_decode_tail_pipe_variants():
     layered = {"triton": lambda: lambda: seen.append(("step", td.SPLIT_TAIL, td.TAIL_PIPELINED))}
     bench_decode._tail_pipe_variants(cands, layered, ["triton"])
     tags = [k for k in cands if k != "triton"]
-    assert tags == ["triton pipe #1", "triton regs #1", "triton pipe #2", "triton regs #2"]
-    cands["triton pipe #1"]()  # the variant, then its reference with the module's switches
-    assert seen == [(True, True), (None, False)]
+    assert tags == ["triton pipe #1", "triton regs #1", "triton masked #1",
+                    "triton pipe #2", "triton regs #2", "triton masked #2"]
+    assert list(layered) == ["triton"] + tags
+    cands["triton pipe #1"]()  # the variant, then its reference with every tile masked
+    assert seen == [(True, True), (False, False)]
     cands["triton pipe #1"]()  # checked once
     layered["triton regs #1"]()()
-    assert seen[2:] == [(True, True), ("step", True, False)]
-    assert td.SPLIT_TAIL is None and td.TAIL_PIPELINED is False
+    cands["triton masked #2"]()  # the reference itself: not checked against itself
+    assert seen[2:] == [(True, True), ("step", True, False), (False, False)]
+    assert td.SPLIT_TAIL is None and td.TAIL_PIPELINED is None
 
     bad = bench_decode._checked_against(lambda: torch.ones(3) * 1.05, lambda: (torch.ones(3), None))
     with pytest.raises(RuntimeError, match="differs from its reference by 0.05"):

@@ -589,15 +589,59 @@ def test_tail_pipelined_reaches_the_kernel(split_tail, monkeypatch):
 
 
 def test_split_tail_default_rule(monkeypatch):
-    """SPLIT_TAIL None (the default): contiguous GQA caches only; True / False: everywhere / nowhere."""
+    """SPLIT_TAIL None (the default): contiguous GQA caches, and MLA over whole-page tiles; True / False: everywhere /
+    nowhere."""
     monkeypatch.setattr(td, "SPLIT_TAIL", None)
     f = td._split_tail
     assert f(False, False)  # GQA, contiguous
     assert not f(False, True) and not f(True, False) and not f(True, True)  # GQA paged, MLA
+    assert f(True, True, True)  # MLA, tiles of 64+ keys inside a page
     monkeypatch.setattr(td, "SPLIT_TAIL", True)
     assert f(True, True) and f(False, True)
     monkeypatch.setattr(td, "SPLIT_TAIL", False)
     assert not f(False, False)
+    assert not f(True, True, True)
+
+
+def test_tail_pipelined_default_rule(monkeypatch):
+    """Whole-page tiles: MLA, paged, 64 keys or more a tile, the page a multiple of it (timed: pages of 64, H 16).
+    TAIL_PIPELINED None (the default) pipelines the tail there only; True / False force it on / off."""
+    w = td._whole_page_tiles
+    assert w(True, True, 64, 64) and w(True, True, 128, 64) and w(True, True, 256, 128)
+    assert not w(True, False, 1, 64)  # contiguous MLA (tied on the H100: left as it was)
+    assert not w(True, True, 1, 64) and not w(True, True, 16, 16) and not w(True, True, 32, 32)  # small pages
+    assert not w(True, True, 64, 128) and not w(True, True, 96, 64)  # a tile across pages
+    assert not w(False, True, 64, 64)  # GQA
+    monkeypatch.setattr(td, "TAIL_PIPELINED", None)
+    assert td._tail_pipelined(True) and not td._tail_pipelined(False)
+    monkeypatch.setattr(td, "TAIL_PIPELINED", True)
+    assert td._tail_pipelined(False)
+    monkeypatch.setattr(td, "TAIL_PIPELINED", False)
+    assert not td._tail_pipelined(True)
+
+
+@pytest.mark.parametrize("tail_pipelined", [None, False], ids=["default", "tail-in-registers"])
+def test_mla_whole_page_tail_reaches_the_kernel(tail_pipelined, monkeypatch):
+    """The default rule end to end: MLA over pages of 64 with 64-key tiles launches SPLIT_TAIL with TAIL_PIPELINED
+    (TAIL_PIPELINED False: the tail in registers), pages of 16 and contiguous caches every tile masked; all against
+    the oracle, over lengths with and without a partial tile, NaN-poisoned pages and a zero-length sequence."""
+    monkeypatch.setattr(td, "SPLIT_TAIL", None)
+    monkeypatch.setattr(td, "TAIL_PIPELINED", tail_pipelined)
+    passed = []
+
+    class Spy(td.Launch):
+        def __init__(self, fn, grid, args, kwargs, options):
+            if fn is td._decode_kernel:
+                passed.append((kwargs["BLOCK_N"], kwargs.get("SPLIT_TAIL", False), kwargs.get("TAIL_PIPELINED", False)))
+            super().__init__(fn, grid, args, kwargs, options)
+    monkeypatch.setattr(td, "Launch", Spy)
+    cfg = td.DecodeConfig(16, 64, 4, 1)
+    for page in (64, 16, None):
+        ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 5, 64, 16, 1, [0, 128, 113], page, F32, 1.0)
+        o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, 2, config=cfg)
+        ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
+        _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125), F32)
+    assert passed == [(64, True, tail_pipelined is None), (16, False, False), (64, False, False)]
 
 
 def test_fused_merge_tiles_rule(monkeypatch):

@@ -642,24 +642,38 @@ KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 # contiguous GQA caches: 0.6% at B 1, 0.2% at B 32; paged 64 lost 0.4-1.3%, pages of 1 won at B 32 and lost at B 1,
 # and MLA H 16 lost 3-8% (its 64 x 576 tail tile through registers spills: 164 / 320 bytes at sm_90a, none without
 # SPLIT_TAIL; scripts/compile_sm90.py decode 16,64,4,3 --paged --split-tail). Why paged GQA loses is not known (no
-# spills there). So None, the default, takes it for contiguous GQA caches only; True / False force it everywhere /
+# spills there). So None, the default, takes it for contiguous GQA caches, and for MLA over whole-page tiles with the
+# partial tile pipelined (TAIL_PIPELINED below, which removes the spills); True / False force it everywhere /
 # nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
 SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", ""), None)
 
 # Where SPLIT_TAIL is taken, the partial tile's loop pipelined like the whole tiles' (its K / V through shared
-# memory by cp.async) instead of loaded into registers. Experimental, off (MLA_ATTN_DECODE_TAIL_PIPELINED=1 turns it
-# on): at sm_90a (Triton 3.6) it takes MLA 16 x 64 from 164 / 320 bytes of spills to 12 / 20 paged and none
-# contiguous, in the same 164 KB of shared memory (the two loops' buffers are shared). On an H100 (97b687c,
-# docs/raw/bench_decode_tailpipe_97b687c_h100.md; graph replays) MLA H 16 over pages of 64, one page a tile, ran
-# 1.0-1.4% faster than every tile masked (198.7 against 201.4 us at B 128, 203.6 against 205.7 at B 64), contiguous
-# MLA tied, and it lost over pages of 1 (4-5%) and in GQA (B 32: 0.3% contiguous, 1.3% paged 64). It stays off
-# until the decode GPU tests pass with it (scripts/gpu_check.sh ONLY=tailpipe) and an H200 agrees; then the rule
-# to try is SPLIT_TAIL with TAIL_PIPELINED for MLA where a tile lies in one page.
-TAIL_PIPELINED = os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", "0") == "1"
+# memory by cp.async) instead of loaded into registers. At sm_90a (Triton 3.6) it takes MLA 16 x 64 from 164 / 320
+# bytes of spills to 12 / 20 paged and none contiguous, in the same 164 KB of shared memory (the two loops' buffers
+# are shared). On an H100 (97b687c, docs/raw/bench_decode_tailpipe_97b687c_h100.md; graph replays) MLA H 16 over
+# pages of 64, one page a tile, ran 1.0-1.4% faster than every tile masked (198.7 against 201.4 us at B 128, 203.6
+# against 205.7 at B 64), contiguous MLA tied, and it lost over pages of 1 (4-5%) and in GQA (B 32: 0.3%
+# contiguous, 1.3% paged 64). So None, the default, takes SPLIT_TAIL with TAIL_PIPELINED for MLA where every tile
+# of 64 keys or more lies in one page (_whole_page_tiles; pages of 16 / 32 make 16 / 32-key tiles, untimed, and keep
+# every tile masked), and keeps the partial tile in registers wherever else SPLIT_TAIL is taken. True / False
+# (MLA_ATTN_DECODE_TAIL_PIPELINED=1 / 0) force it wherever SPLIT_TAIL is taken / nowhere, for A/B timing.
+TAIL_PIPELINED = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", ""), None)
 
 
-def _split_tail(mla: bool, paged: bool) -> bool:
-    return (not mla and not paged) if SPLIT_TAIL is None else SPLIT_TAIL
+def _whole_page_tiles(mla: bool, paged: bool, page_size: int, block_n: int) -> bool:
+    """The MLA tiles that the default tail rule pipelines: paged, 64 keys or more, each inside one page."""
+    return mla and paged and block_n >= 64 and page_size % block_n == 0
+
+
+def _split_tail(mla: bool, paged: bool, whole_page_tiles: bool = False) -> bool:
+    if SPLIT_TAIL is not None:
+        return SPLIT_TAIL
+    return (not mla and not paged) or whole_page_tiles
+
+
+def _tail_pipelined(whole_page_tiles: bool) -> bool:
+    """TAIL_PIPELINED for a call that takes SPLIT_TAIL."""
+    return whole_page_tiles if TAIL_PIPELINED is None else TAIL_PIPELINED
 
 
 def _fused_merge_tiles(num_splits: int, rows_per_tile: int, block_dv: int):
@@ -813,6 +827,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
     def run(c: DecodeConfig) -> Launch:
         block_n = _tile_keys(c.block_n, paged, page_size, span)
         block_dv, block_dv2 = _value_tiles(d_v, dv_tiles, c.block_h, c.num_warps)
+        whole_page = _whole_page_tiles(mla, paged, page_size, block_n)
+        split_tail = _split_tail(mla, paged, whole_page)
         launch = Launch(
             _decode_kernel, grid,
             (*(Slot(i) for i in range(len(values))),
@@ -835,8 +851,8 @@ def _launch(q1, q2, k1, k1_strides, k2, k2_strides, v, v_strides, seq_lens, bloc
                 **(dict(STRIDE_UNIT=unit) if unit != 1 else {}),
                 **(dict(BLOCK_DV2=block_dv2) if block_dv2 else {}),
                 **(dict(KV_MAJOR=True) if kv_major else {}),
-                **(dict(SPLIT_TAIL=True) if _split_tail(mla, paged) else {}),
-                **(dict(TAIL_PIPELINED=True) if TAIL_PIPELINED and _split_tail(mla, paged) else {}),
+                **(dict(SPLIT_TAIL=True) if split_tail else {}),
+                **(dict(TAIL_PIPELINED=True) if split_tail and _tail_pipelined(whole_page) else {}),
             ),
             dict(num_warps=c.num_warps, num_stages=c.num_stages),
         )
