@@ -155,8 +155,9 @@ if [ "${ONLY:-}" = gqaprobe ]; then
   exit $status
 fi
 if [ "${ONLY:-}" = tailpipe ]; then
-  # Sessions 42-43: SPLIT_TAIL with its partial tile pipelined (TAIL_PIPELINED; the default for MLA over whole-page
-  # tiles since session 43), through registers, and every tile masked. The bench first (each split-tail variant
+  # Sessions 42-43: SPLIT_TAIL with its partial tile pipelined (TAIL_PIPELINED; MLA_ATTN_DECODE_TAIL_PIPELINED=auto
+  # takes it for MLA over whole-page tiles, the default to be once these pass), through registers, and every tile
+  # masked. The bench first (each split-tail variant
   # checked against the masked output before it is timed), then the decode GPU tests with both switches forced on.
   step "bench decode: tail pipelined / through registers / masked" "$(lim 200)" $PY scripts/bench_decode.py --tail-pipe-variants --graph --layers 0 \
     --shapes mla128x16,mla64x16,gqa32 --out "$out/bench_decode_tailpipe.md"

@@ -268,7 +268,7 @@ def test_bench_decode_tail_pipe_variants():
     layered["triton regs #1"]()()
     cands["triton masked #2"]()  # the reference itself: not checked against itself
     assert seen[2:] == [(True, True), ("step", True, False), (False, False)]
-    assert td.SPLIT_TAIL is None and td.TAIL_PIPELINED is None
+    assert td.SPLIT_TAIL is None and td.TAIL_PIPELINED is False
 
     bad = bench_decode._checked_against(lambda: torch.ones(3) * 1.05, lambda: (torch.ones(3), None))
     with pytest.raises(RuntimeError, match="differs from its reference by 0.05"):

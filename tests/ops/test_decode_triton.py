@@ -589,13 +589,17 @@ def test_tail_pipelined_reaches_the_kernel(split_tail, monkeypatch):
 
 
 def test_split_tail_default_rule(monkeypatch):
-    """SPLIT_TAIL None (the default): contiguous GQA caches, and MLA over whole-page tiles; True / False: everywhere /
-    nowhere."""
+    """SPLIT_TAIL None (the default): contiguous GQA caches, and MLA over whole-page tiles under TAIL_PIPELINED's rule
+    (None) only; True / False: everywhere / nowhere."""
     monkeypatch.setattr(td, "SPLIT_TAIL", None)
+    monkeypatch.setattr(td, "TAIL_PIPELINED", False)
     f = td._split_tail
     assert f(False, False)  # GQA, contiguous
     assert not f(False, True) and not f(True, False) and not f(True, True)  # GQA paged, MLA
-    assert f(True, True, True)  # MLA, tiles of 64+ keys inside a page
+    assert not f(True, True, True)  # whole-page MLA tiles with the tail in registers: they would spill
+    monkeypatch.setattr(td, "TAIL_PIPELINED", None)
+    assert f(True, True, True)  # MLA, tiles of 64+ keys inside a page, the tail pipelined
+    assert f(False, False) and not f(True, True)
     monkeypatch.setattr(td, "SPLIT_TAIL", True)
     assert f(True, True) and f(False, True)
     monkeypatch.setattr(td, "SPLIT_TAIL", False)
@@ -605,7 +609,8 @@ def test_split_tail_default_rule(monkeypatch):
 
 def test_tail_pipelined_default_rule(monkeypatch):
     """Whole-page tiles: MLA, paged, 64 keys or more a tile, the page a multiple of it (timed: pages of 64, H 16).
-    TAIL_PIPELINED None (the default) pipelines the tail there only; True / False force it on / off."""
+    TAIL_PIPELINED None (the rule, =auto) pipelines the tail there only; True / False force it on / off; False is
+    the default until the GPU tests run with the rule."""
     w = td._whole_page_tiles
     assert w(True, True, 64, 64) and w(True, True, 128, 64) and w(True, True, 256, 128)
     assert not w(True, False, 1, 64)  # contiguous MLA (tied on the H100: left as it was)
@@ -620,11 +625,12 @@ def test_tail_pipelined_default_rule(monkeypatch):
     assert not td._tail_pipelined(True)
 
 
-@pytest.mark.parametrize("tail_pipelined", [None, False], ids=["default", "tail-in-registers"])
+@pytest.mark.parametrize("tail_pipelined", [None, False, True], ids=["rule", "off", "forced"])
 def test_mla_whole_page_tail_reaches_the_kernel(tail_pipelined, monkeypatch):
-    """The default rule end to end: MLA over pages of 64 with 64-key tiles launches SPLIT_TAIL with TAIL_PIPELINED
-    (TAIL_PIPELINED False: the tail in registers), pages of 16 and contiguous caches every tile masked; all against
-    the oracle, over lengths with and without a partial tile, NaN-poisoned pages and a zero-length sequence."""
+    """The tail rule end to end (SPLIT_TAIL None): with TAIL_PIPELINED None, MLA over pages of 64 with 64-key tiles
+    launches SPLIT_TAIL with TAIL_PIPELINED, pages of 16 and contiguous caches every tile masked; off or forced on
+    (the latter pipelines only where SPLIT_TAIL is taken), every MLA tile masked. All against the oracle, over lengths
+    with and without a partial tile, NaN-poisoned pages and a zero-length sequence."""
     monkeypatch.setattr(td, "SPLIT_TAIL", None)
     monkeypatch.setattr(td, "TAIL_PIPELINED", tail_pipelined)
     passed = []
@@ -641,7 +647,8 @@ def test_mla_whole_page_tail_reaches_the_kernel(tail_pipelined, monkeypatch):
         o, lse = td.mla_decode(ql, qr, c, kr, seq_lens, table, 0.125, 2, config=cfg)
         ref_o, ref_lse = mla_decode_oracle(ql, qr, c, kr, seq_lens, scale=0.125, block_table=table)
         _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, c, kr, seq_lens, table, 0.125), F32)
-    assert passed == [(64, True, tail_pipelined is None), (16, False, False), (64, False, False)]
+    rule = tail_pipelined is None
+    assert passed == [(64, rule, rule), (16, False, False), (64, False, False)]
 
 
 def test_fused_merge_tiles_rule(monkeypatch):

@@ -642,9 +642,9 @@ KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 # contiguous GQA caches: 0.6% at B 1, 0.2% at B 32; paged 64 lost 0.4-1.3%, pages of 1 won at B 32 and lost at B 1,
 # and MLA H 16 lost 3-8% (its 64 x 576 tail tile through registers spills: 164 / 320 bytes at sm_90a, none without
 # SPLIT_TAIL; scripts/compile_sm90.py decode 16,64,4,3 --paged --split-tail). Why paged GQA loses is not known (no
-# spills there). So None, the default, takes it for contiguous GQA caches, and for MLA over whole-page tiles with the
-# partial tile pipelined (TAIL_PIPELINED below, which removes the spills); True / False force it everywhere /
-# nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
+# spills there). So None, the default, takes it for contiguous GQA caches, and, under TAIL_PIPELINED's rule (None,
+# not yet the default), for MLA over whole-page tiles with the partial tile pipelined (which removes the spills);
+# True / False force it everywhere / nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
 SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", ""), None)
 
 # Where SPLIT_TAIL is taken, the partial tile's loop pipelined like the whole tiles' (its K / V through shared
@@ -653,22 +653,25 @@ SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_T
 # are shared). On an H100 (97b687c, docs/raw/bench_decode_tailpipe_97b687c_h100.md; graph replays) MLA H 16 over
 # pages of 64, one page a tile, ran 1.0-1.4% faster than every tile masked (198.7 against 201.4 us at B 128, 203.6
 # against 205.7 at B 64), contiguous MLA tied, and it lost over pages of 1 (4-5%) and in GQA (B 32: 0.3%
-# contiguous, 1.3% paged 64). So None, the default, takes SPLIT_TAIL with TAIL_PIPELINED for MLA where every tile
-# of 64 keys or more lies in one page (_whole_page_tiles; pages of 16 / 32 make 16 / 32-key tiles, untimed, and keep
-# every tile masked), and keeps the partial tile in registers wherever else SPLIT_TAIL is taken. True / False
-# (MLA_ATTN_DECODE_TAIL_PIPELINED=1 / 0) force it wherever SPLIT_TAIL is taken / nowhere, for A/B timing.
-TAIL_PIPELINED = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", ""), None)
+# contiguous, 1.3% paged 64). So None (MLA_ATTN_DECODE_TAIL_PIPELINED=auto) takes SPLIT_TAIL with TAIL_PIPELINED for
+# MLA where every tile of 64 keys or more lies in one page (_whole_page_tiles; pages of 16 / 32 make 16 / 32-key
+# tiles, untimed, and keep every tile masked), and the partial tile in registers wherever else SPLIT_TAIL is taken.
+# That rule is written and interpreter-tested but not yet the default: the decode GPU tests have not run with the
+# pipelined tail (scripts/gpu_check.sh ONLY=tailpipe), so the default is still False (the tail in registers where
+# SPLIT_TAIL is taken, i.e. contiguous GQA). True / False (=1 / =0) force it wherever SPLIT_TAIL is taken / nowhere,
+# for A/B timing.
+TAIL_PIPELINED = {"1": True, "0": False, "auto": None}.get(os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", "0"), False)
 
 
 def _whole_page_tiles(mla: bool, paged: bool, page_size: int, block_n: int) -> bool:
-    """The MLA tiles that the default tail rule pipelines: paged, 64 keys or more, each inside one page."""
+    """The MLA tiles that the tail rule (TAIL_PIPELINED None) pipelines: paged, 64 keys or more, each in one page."""
     return mla and paged and block_n >= 64 and page_size % block_n == 0
 
 
 def _split_tail(mla: bool, paged: bool, whole_page_tiles: bool = False) -> bool:
     if SPLIT_TAIL is not None:
         return SPLIT_TAIL
-    return (not mla and not paged) or whole_page_tiles
+    return (not mla and not paged) or (whole_page_tiles and TAIL_PIPELINED is None)
 
 
 def _tail_pipelined(whole_page_tiles: bool) -> bool:
