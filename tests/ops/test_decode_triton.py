@@ -153,6 +153,19 @@ def _mla_inputs(b, h, dc, dr, s, lens, page, dtype, qmul=1.0, seed=0):
     return ql, qr, c, kr, seq_lens, table
 
 
+def _kernel_launches(monkeypatch, pick):
+    """A list to which each _decode_kernel launch from now on appends pick(its constexpr kwargs)."""
+    passed = []
+
+    class Spy(td.Launch):
+        def __init__(self, fn, grid, args, kwargs, options):
+            if fn is td._decode_kernel:
+                passed.append(pick(kwargs))
+            super().__init__(fn, grid, args, kwargs, options)
+    monkeypatch.setattr(td, "Launch", Spy)
+    return passed
+
+
 def _check(o, lse, ref_o, ref_lse, base_o, dtype):
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert_close(o, ref_o, floor=dtype_floor(dtype), baseline=base_o)
@@ -321,14 +334,7 @@ SPLIT_TAIL_MLA = [MLA_CASES[i] for i in (0, 1, 4, 5, 7, 8)]
 @pytest.mark.parametrize("case", SPLIT_TAIL_MLA, ids=[_mla_id(c) for c in SPLIT_TAIL_MLA])
 def test_mla_decode_split_tail(case, monkeypatch):
     monkeypatch.setattr(td, "SPLIT_TAIL", True)
-    passed = []
-
-    class Spy(td.Launch):
-        def __init__(self, fn, grid, args, kwargs, options):
-            if fn is td._decode_kernel:
-                passed.append(kwargs.get("SPLIT_TAIL", False))
-            super().__init__(fn, grid, args, kwargs, options)
-    monkeypatch.setattr(td, "Launch", Spy)
+    passed = _kernel_launches(monkeypatch, lambda kwargs: kwargs.get("SPLIT_TAIL", False))
     test_mla_decode(case)
     assert passed and all(passed)
 
@@ -544,14 +550,7 @@ SWITCH_CASES = [
 def test_gqa_decode_switches(case, switch, value, monkeypatch):
     b, hq, hkv, d, s, lens, page, splits, dtype = case
     monkeypatch.setattr(td, switch, value)
-    passed = []
-
-    class Spy(td.Launch):
-        def __init__(self, fn, grid, args, kwargs, options):
-            if fn is td._decode_kernel:
-                passed.append(kwargs.get(switch, False))
-            super().__init__(fn, grid, args, kwargs, options)
-    monkeypatch.setattr(td, "Launch", Spy)
+    passed = _kernel_launches(monkeypatch, lambda kwargs: kwargs.get(switch, False))
     q, k, v, seq_lens, table = _gqa_inputs(b, hq, hkv, d, d, s, lens, page, dtype)
     o, lse = td.gqa_decode(q, k, v, seq_lens, table, d ** -0.5, splits)
     assert passed and all(p is value for p in passed)
@@ -567,14 +566,8 @@ def test_tail_pipelined_reaches_the_kernel(split_tail, monkeypatch):
     ONLY=tailpipe)."""
     monkeypatch.setattr(td, "SPLIT_TAIL", split_tail)
     monkeypatch.setattr(td, "TAIL_PIPELINED", True)
-    passed = []
-
-    class Spy(td.Launch):
-        def __init__(self, fn, grid, args, kwargs, options):
-            if fn is td._decode_kernel:
-                passed.append((kwargs.get("SPLIT_TAIL", False), kwargs.get("TAIL_PIPELINED", False)))
-            super().__init__(fn, grid, args, kwargs, options)
-    monkeypatch.setattr(td, "Launch", Spy)
+    passed = _kernel_launches(monkeypatch,
+                              lambda kwargs: (kwargs.get("SPLIT_TAIL", False), kwargs.get("TAIL_PIPELINED", False)))
     for page in (None, 16):
         q, k, v, seq_lens, table = _gqa_inputs(3, 9, 3, 32, 32, 1, [0, 63, 45], page, F32)
         o, lse = td.gqa_decode(q, k, v, seq_lens, table, 32 ** -0.5, 2)
@@ -633,14 +626,8 @@ def test_mla_whole_page_tail_reaches_the_kernel(tail_pipelined, monkeypatch):
     with and without a partial tile, NaN-poisoned pages and a zero-length sequence."""
     monkeypatch.setattr(td, "SPLIT_TAIL", None)
     monkeypatch.setattr(td, "TAIL_PIPELINED", tail_pipelined)
-    passed = []
-
-    class Spy(td.Launch):
-        def __init__(self, fn, grid, args, kwargs, options):
-            if fn is td._decode_kernel:
-                passed.append((kwargs["BLOCK_N"], kwargs.get("SPLIT_TAIL", False), kwargs.get("TAIL_PIPELINED", False)))
-            super().__init__(fn, grid, args, kwargs, options)
-    monkeypatch.setattr(td, "Launch", Spy)
+    passed = _kernel_launches(monkeypatch, lambda kwargs: (kwargs["BLOCK_N"], kwargs.get("SPLIT_TAIL", False),
+                                                           kwargs.get("TAIL_PIPELINED", False)))
     cfg = td.DecodeConfig(16, 64, 4, 1)
     for page in (64, 16, None):
         ql, qr, c, kr, seq_lens, table = _mla_inputs(3, 5, 64, 16, 1, [0, 128, 113], page, F32, 1.0)
