@@ -6,8 +6,10 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "switches.md").read_text()
-# `name` and the default as the code reads them: os.environ.get("MLA_ATTN_X", "default") or os.environ.get("MLA_ATTN_X")
-READ = re.compile(r'os\.environ\.get\(\s*"(MLA_ATTN_\w+)"\s*(?:,\s*"([^"]*)")?\s*\)')
+# `name` and the default as the code reads them, through mla_attn/ops/_env.py: _env.flag("MLA_ATTN_X", True),
+# _env.choice("MLA_ATTN_X", "auto", ...), _env.tristate("MLA_ATTN_X", None), _env.number("MLA_ATTN_X", 8e10), ...
+READ = re.compile(r'_env\.(flag|choice|tristate|auto_or_count|number)\(\s*"(MLA_ATTN_\w+)"\s*(?:,\s*([^,)]+))?')
+RAW_READ = re.compile(r'os\.environ(?:\.get\(|\[)\s*"(MLA_ATTN_\w+)"')  # unchecked: values outside the choices pass
 ROW = re.compile(r"^\| `(MLA_ATTN_\w+)` \| `?([^`|]*?)`? \|.*\| ([^|]+) \|$", re.M)
 MODULES = {  # the short module names the page uses
     "ops._launch": "mla_attn.ops._launch",
@@ -23,12 +25,29 @@ MODULES = {  # the short module names the page uses
 }
 
 
+def _default(kind, arg):
+    """The default of an _env call as docs/switches.md writes it."""
+    if kind == "flag":
+        return {"True": "1", "False": "0"}[arg]
+    if kind == "tristate":
+        return {"None": "unset", "False": "0", "True": "1"}[arg]
+    if kind == "auto_or_count":
+        return "auto"
+    return arg.strip().strip('"')  # choice: the string; number: the literal
+
+
 def _read_in_code():
     found = {}
     for path in (ROOT / "mla_attn").rglob("*.py"):
-        for name, default in READ.findall(path.read_text()):
-            found.setdefault(name, set()).add(default or "unset")
+        for kind, name, arg in READ.findall(path.read_text()):
+            found.setdefault(name, set()).add(_default(kind, arg.strip()))
     return found
+
+
+def test_no_variable_read_unchecked():
+    """Every MLA_ATTN_* variable goes through ops/_env.py, which rejects values outside its choices."""
+    raw = {str(p.relative_to(ROOT)): RAW_READ.findall(p.read_text()) for p in (ROOT / "mla_attn").rglob("*.py")}
+    assert {p: names for p, names in raw.items() if names} == {}
 
 
 def _rows():

@@ -15,13 +15,14 @@ removed ``gl.thread_barrier`` and changed ``warp_specialize``'s arguments (3.9, 
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
+
+from . import _env
 
 TESTED = ((3, 6),)
 
@@ -34,7 +35,7 @@ def _version(v: str) -> tuple[int, int]:
         return (0, 0)
 
 
-VERSION_OK = _version(triton.__version__) in TESTED or os.environ.get("MLA_ATTN_GLUON_ANY_TRITON") == "1"
+VERSION_OK = _env.flag("MLA_ATTN_GLUON_ANY_TRITON", False) or _version(triton.__version__) in TESTED
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global

@@ -19,13 +19,13 @@ then decides and binds anew.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 
+from . import _env
 from ._common import triton_interpreting
 
-FAST = os.environ.get("MLA_ATTN_FAST_LAUNCH", "1") != "0"
+FAST = _env.flag("MLA_ATTN_FAST_LAUNCH", True)
 MAX_PLANS = 512  # per cache: a serving loop sees a handful of shapes; a sweep must not grow without bound
 
 

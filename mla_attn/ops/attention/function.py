@@ -8,12 +8,12 @@ implementations for tracing) -> ``FlashAttnFunction`` (autograd) -> ``flash_atte
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .. import _env
 from .triton_bwd import flash_attn_bwd
 from .triton_fwd import aligned_rows, flash_attn_fwd
 
@@ -25,11 +25,11 @@ def _unit_last(t: Tensor) -> Tensor:
 
 # The Gluon forward (gluon_fwd.py: Hopper, bf16/fp16, head dims it supports) replaces the Triton one
 # where it applies; MLA_ATTN_GLUON=0 in the environment keeps the Triton forward everywhere.
-GLUON_FORWARD = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
+GLUON_FORWARD = _env.flag("MLA_ATTN_GLUON", True)
 # [B, L, H, D] tensors seen as [B, H, L, D] (the layers' transposes) read in place by the Gluon forward,
 # through [B * L, H * D] descriptors. On the H200 (827090c) that is 404-530 TFLOP/s on the four benchmark
 # rows, 4-11% over the Triton forward reading the same strides. MLA_ATTN_GLUON_TOKEN_MAJOR=0 turns it off.
-GLUON_TOKEN_MAJOR = GLUON_FORWARD and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "1") != "0"
+GLUON_TOKEN_MAJOR = _env.flag("MLA_ATTN_GLUON_TOKEN_MAJOR", True) and GLUON_FORWARD
 
 
 def _token_major(t: Tensor) -> bool:

@@ -43,10 +43,10 @@ Session 13 (827090c, H200): both of these pass their oracle tests.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import _env
 from .._common import is_hopper
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, tensor_key
@@ -74,10 +74,10 @@ _LOG2E = 1.4426950408889634
 # 389 -> 399 TFLOP/s (+2.6%), GQA 8 x 32/8 x 2048 +0.5%; at 192/128, where the buffers take shared memory to
 # 220 KB, -1.0% (2 x 16 x 8192) and +1.0% (4 x 128 x 2048). "auto" (default): where Dqk is one power of two
 # (d 128: 192 KB); "1": wherever the buffers fit (192/128 too); "0": never. MLA_ATTN_GLUON_DKDV_TMA_STORE overrides.
-DKDV_TMA_STORE = os.environ.get("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto")
+DKDV_TMA_STORE = _env.choice("MLA_ATTN_GLUON_DKDV_TMA_STORE", "auto", _env.AUTO_ON_OFF)
 # "1": K/V's wgmma descriptors recomputed each step (``_dkdv_gluon``'s FRESH_DESC): sm_90a spills at d 128 go
 # from 32 bytes to none. Off until the H200 has timed it; MLA_ATTN_GLUON_DKDV_FRESH_DESC=1 turns it on.
-DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
+DKDV_FRESH_DESC = _env.choice("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
 # Heads split (``_dkdv_gluon``'s HSPLIT): a KV head's query heads walked by HSPLIT programs instead of one, each
 # storing its part's dK / dV in float32, then added in a fixed order (deterministic). Why: with MQA or a large
 # group and a small batch there are fewer programs than SMs (MQA 8 x 32/1 x 2048: 128 programs of 128 keys),
@@ -85,14 +85,14 @@ DKDV_FRESH_DESC = os.environ.get("MLA_ATTN_GLUON_DKDV_FRESH_DESC", "0")
 # backward. "auto": split where B x HK x key blocks < the SM count, into the fewest parts (a power of two
 # dividing the group) that give two programs an SM; "0": never; an integer: that many parts wherever it
 # divides the group. MLA_ATTN_GLUON_DKDV_HSPLIT overrides.
-DKDV_HSPLIT = os.environ.get("MLA_ATTN_GLUON_DKDV_HSPLIT", "auto")
+DKDV_HSPLIT = _env.auto_or_count("MLA_ATTN_GLUON_DKDV_HSPLIT")
 # Odd head widths in the dK/dV pass, as ``gluon_fwd.ODD_WIDTHS`` in the forward (``_split_padded``): Dqk 72 as
 # 64 + 16 with 8 columns of TMA's zeros, Dv 80 / 96 as two blocks (dP^T from two chained wgmmas, dV in two
 # accumulators), Dv up to 128 in all. H100 (d44dbde, session 32): its GPU tests pass; fwd+bwd at 4 x 32 x 2048
 # with it and the Gluon forward, against both on Triton: 72 1.10x (GQA 1.08x), 80 1.10x, 96 1.09x, 40 0.97x.
 # "auto" (default): where both widths' first block is at least 64; "1" (or True): every width it can take;
 # "0" (or False): never. MLA_ATTN_GLUON_DKDV_ODD overrides.
-DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "auto")
+DKDV_ODD = _env.choice("MLA_ATTN_GLUON_DKDV_ODD", "auto", _env.AUTO_ON_OFF)
 # Narrow heads in the dK/dV pass, as gluon_fwd.NARROW in the forward (``_dkdv_narrow_tiles``): Dqk = Dv in 64..96
 # on 64-key programs of one warpgroup (64 rows a step, 2 stages) instead of 128 keys on two. sm_90a (Triton 3.6):
 # 191-235 registers x 128 threads and 49-74 KB of shared memory, so two programs an SM, where the 128-key program
@@ -100,7 +100,7 @@ DKDV_ODD = os.environ.get("MLA_ATTN_GLUON_DKDV_ODD", "auto")
 # 4 x 32 x 2048 against the 128-key tiles): 64 1.11x, GQA 64 1.12x, 72 1.06x, 80 1.08x, 96 1.08x; 32 rows with 3
 # stages 0.99-1.08x, so 64 rows and 2 stages it is. Its GPU tests pass, and the whole Gluon file with it on.
 # "auto" (default): those widths; "0": never. MLA_ATTN_GLUON_DKDV_NARROW overrides.
-DKDV_NARROW = os.environ.get("MLA_ATTN_GLUON_DKDV_NARROW", "auto")
+DKDV_NARROW = _env.choice("MLA_ATTN_GLUON_DKDV_NARROW", "auto", _env.AUTO_ON_OFF)
 
 if AVAILABLE:
     from .gluon_fwd import _expect, _load_kv  # the K/V ring refill and its expected bytes, shared with the forward

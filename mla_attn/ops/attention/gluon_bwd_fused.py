@@ -31,12 +31,12 @@ Dv 64 or 128, inputs head-major or token-major as ``gluon_bwd.dkdv_gluon``.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _env
 from .._common import is_hopper
 from .gluon_bwd import _LOG2E
 from .gluon_fwd import _SMEM_BYTES, _desc, _tma_view
@@ -57,15 +57,15 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
 # "1": flash_attn_bwd runs this pass where ``supported`` says so; "0": the two-pass backward.
-FUSED_BWD = os.environ.get("MLA_ATTN_GLUON_FUSED_BWD", "0")
+FUSED_BWD = _env.choice("MLA_ATTN_GLUON_FUSED_BWD", "0")
 # "1": dQ_j leaves by TMA (store / reduce-add) from a double buffer, each counter released a step later
 # (``_bwd_fused_gluon``'s BULK). Correct on the H200, 5-8% faster than the atomic adds (9-16% with CAST),
 # slower than the two passes (session 22); MLA_ATTN_GLUON_FUSED_BULK=1 turns it on.
-FUSED_BULK = os.environ.get("MLA_ATTN_GLUON_FUSED_BULK", "0")
+FUSED_BULK = _env.choice("MLA_ATTN_GLUON_FUSED_BULK", "0")
 # With FUSED_BULK, "1": key block 0 adds its dQ_j like the others and a cast kernel (``_dq_cast_kernel``) writes
 # dq from the workspace afterwards, instead of key block 0 (the longest program of a head, launched last: the
 # tail) loading the workspace tile at every step. Correct on the H200 (session 22); MLA_ATTN_GLUON_FUSED_CAST=1.
-FUSED_CAST = os.environ.get("MLA_ATTN_GLUON_FUSED_CAST", "0")
+FUSED_CAST = _env.choice("MLA_ATTN_GLUON_FUSED_CAST", "0")
 
 
 @triton.jit

@@ -91,10 +91,10 @@ Everything else stays on the Triton kernel.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import _env
 from .. import _launch as _fast
 from .._common import is_hopper
 from .._launch import Launch, PlanCache, Slot, rebased, tensor_key
@@ -124,20 +124,20 @@ _LOG2E = 1.4426950408889634
 # rounds each), 1.8% (4 x 32 x 4096) and 3.0% (GQA 8 x 32/8 x 2048) faster than the grid; at 192/128 the
 # output falls back to direct stores and it was 3-8% slower, so the grid stays. "1" / "0": always / never.
 # sm_90a, Triton 3.6, d 128 causal: 248-255 registers, no spills. MLA_ATTN_GLUON_PERSISTENT overrides.
-PERSISTENT = os.environ.get("MLA_ATTN_GLUON_PERSISTENT", "auto")
+PERSISTENT = _env.choice("MLA_ATTN_GLUON_PERSISTENT", "auto", _env.AUTO_ON_OFF)
 # The output stored by TMA through Q's shared-memory buffer (see _block_epilogue); MLA_ATTN_GLUON_TMA_STORE=0
 # keeps the direct stores. H200 (5fb5556): bit for bit the direct stores' output; epilogue ~4500 -> ~2100
 # cycles a block; 418 -> 446 TFLOP/s at GQA 8 x 32/8 x 2048, 492 -> 517 at 4 x 32 x 4096 x 128.
-TMA_STORE = os.environ.get("MLA_ATTN_GLUON_TMA_STORE", "1") == "1"
+TMA_STORE = _env.flag("MLA_ATTN_GLUON_TMA_STORE", True)
 # The persistent schedule's work order (``_next_work``): 1 (default) a static snake over the grid's order (no
 # atomic; programs' work within 1.03x of the mean), 0 a relaxed atomic counter (H200, 1cbb9f5: 1.3-7% slower
 # than the snake). MLA_ATTN_GLUON_PERSISTENT_SCHEDULE picks one.
-PERSISTENT_SCHEDULE = int(os.environ.get("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "1"))
+PERSISTENT_SCHEDULE = int(_env.choice("MLA_ATTN_GLUON_PERSISTENT_SCHEDULE", "1"))
 # Each row block's second score tile issued before its first tile's softmax (``_block_compute``). "auto"
 # (default): with the persistent schedule at d 128, where the pair measured +0.5% over persistent alone (H200,
 # 1cbb9f5; within the noise, but never behind); the grid alone measured -0.9% to +1%, so it stays off there.
 # "1" / "0": always / never. MLA_ATTN_GLUON_S1_EARLY overrides.
-S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
+S1_EARLY = _env.choice("MLA_ATTN_GLUON_S1_EARLY", "auto", _env.AUTO_ON_OFF)
 # Causal: the last heads' row blocks launched length-major (``_order``), so the last blocks to run are the
 # shortest. A block-timeline build (session 16) put the tail (SMs idle after their last block) at 1.5-5% of
 # the kernel. EXPERIMENTAL, off: correct on the H200 (0b1dc69, 20 GPU tests, grid and persistent), but no
@@ -146,7 +146,7 @@ S1_EARLY = os.environ.get("MLA_ATTN_GLUON_S1_EARLY", "auto")
 # H100 (session 37, bench_row_repeat medians over alternating calls): 4 x 128 x 2048 192/128 0.933 on / 0.938 off
 # of SDPA, 2 x 16 x 8192 192/128 0.983 / 0.973 (docs/raw/bench_row_repeat_tail_9c8f9f0_h100.md).
 # MLA_ATTN_GLUON_TAIL=1 turns it on.
-TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
+TAIL = _env.flag("MLA_ATTN_GLUON_TAIL", False)
 # Head pairs (``PAIR`` in the kernel): with GQA and an even group, a 128-row block is 64 rows of each of two
 # query heads that share a KV head, at the same positions, rather than 128 rows of one head. With causal
 # masking the two warpgroups then see the same keys: in a one-head block the first warpgroup's 64 rows see
@@ -155,14 +155,14 @@ TAIL = os.environ.get("MLA_ATTN_GLUON_TAIL", "0") == "1"
 # H200 (855b928, five rotated rounds, bench_attention.py --gluon-pair): GQA 8 x 32/8 x 2048 persistent 438 ->
 # 449 TFLOP/s (+2.6%), 4 x 32/8 x 4096 +0.4%, 16 x 16/8 x 1024 +5.5%; the grid +4-7%. "auto" (default): causal
 # GQA with an even group; "1": every even group; "0": never. MLA_ATTN_GLUON_HEAD_PAIR overrides.
-HEAD_PAIR = os.environ.get("MLA_ATTN_GLUON_HEAD_PAIR", "auto")
+HEAD_PAIR = _env.choice("MLA_ATTN_GLUON_HEAD_PAIR", "auto", _env.AUTO_ON_OFF)
 # Head widths other than a power of two or a sum of two (``_split_padded``): Dqk 72 as 64 + 16 with the last 8
 # columns TMA's zero fill, Dv 72 / 80 / 96 / 160 as two accumulators (64 + 16, 64 + 32, 128 + 32) with two P V
 # wgmmas. H100 (d44dbde, session 32): 47 of 47 GPU tests pass (with gluon_bwd.DKDV_ODD); the forward against the
 # Triton one at 4 x 32 x 2048: 72 1.08x (GQA 1.13x), 80 1.10x, 96 1.09x, but 40 (32 + 16 - 8) 0.80x and 160 (Dv >
 # 128: the plain schedule) 0.91x. "auto" (default): where both widths' first block is at least 64 and Dv <= 128;
 # "1" (or True): every width _split_padded takes; "0" (or False): never. MLA_ATTN_GLUON_ODD overrides.
-ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "auto")
+ODD_WIDTHS = _env.choice("MLA_ATTN_GLUON_ODD", "auto", _env.AUTO_ON_OFF)
 # Narrow heads (Dqk = Dv from 64 to 96) with two programs an SM (``_narrow_tiles``): at 8 warps and 158-203
 # registers one program fills an SM, and its two warpgroups wait at the same barriers, so the tensor cores idle
 # through each softmax; a second program's wgmmas fill those gaps. Exact widths take 64-row blocks of one warpgroup
@@ -174,7 +174,7 @@ ODD_WIDTHS = os.environ.get("MLA_ATTN_GLUON_ODD", "auto")
 # and at 4 x 32 x 2048 the forward reads 0.88 (64), 0.87 (72), 0.90 (GQA 72), 1.00 (80), 1.00 (96) of SDPA, fwd+bwd
 # 0.89-0.91 (0.78-0.83 before).
 # "auto" (default): those widths; "0": none. MLA_ATTN_GLUON_NARROW overrides.
-NARROW = os.environ.get("MLA_ATTN_GLUON_NARROW", "auto")
+NARROW = _env.choice("MLA_ATTN_GLUON_NARROW", "auto", _env.AUTO_ON_OFF)
 _SMEM_BYTES = 227 * 1024 - 1024  # the H200's shared memory a block may take, less room for the barriers
 
 if AVAILABLE:

@@ -17,13 +17,13 @@ their gradients are 0. Causal alignment is bottom-right, as in the forward (trit
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _env
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from . import triton_fwd
@@ -33,14 +33,14 @@ from .triton_fwd import (LOG2E, _in_units, _interpreting, dot_precision, launch_
 
 # On Hopper the dK/dV pass runs the Gluon kernel (gluon_bwd.py) where it applies; MLA_ATTN_GLUON=0 keeps
 # the Triton one (as it keeps the Triton forward, function.py).
-GLUON_DKDV = os.environ.get("MLA_ATTN_GLUON", "1") != "0"
+GLUON_DKDV = _env.flag("MLA_ATTN_GLUON", True)
 # The Gluon dQ pass (gluon_bwd.dq_gluon) passes its oracle tests on the H200 (827090c) but does not beat
 # the Triton dQ pass there (fwd+bwd 386 / 383 / 319 / 337 TFLOP/s against 383-395 / 376-379 / 286-324 /
 # 344-348 for the Triton dQ, same run): off unless MLA_ATTN_GLUON_DQ=1.
-GLUON_DQ = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_DQ", "0") == "1"
+GLUON_DQ = _env.flag("MLA_ATTN_GLUON_DQ", False) and GLUON_DKDV
 # Token-major inputs ([B, L, H, D] seen through transpose(1, 2), the layers' layout) read in place by the
 # Gluon dK/dV pass, as by the forward (function.py); MLA_ATTN_GLUON_TOKEN_MAJOR=0 turns both off.
-GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", "1") != "0"
+GLUON_TOKEN_MAJOR = _env.flag("MLA_ATTN_GLUON_TOKEN_MAJOR", True) and GLUON_DKDV
 # The dQ pass and the dK/dV pass read the same inputs and write different outputs, so they can run at
 # once: with this on, the dQ pass goes to a side stream (forked from and joined back to the current one)
 # and its programs fill the SMs that the dK/dV pass's last wave leaves idle. Each pass stays
@@ -48,13 +48,13 @@ GLUON_TOKEN_MAJOR = GLUON_DKDV and os.environ.get("MLA_ATTN_GLUON_TOKEN_MAJOR", 
 # also from a captured CUDA graph). On the H200 (d3655cf, bench_attention.py --gluon, the two timed in
 # A B B A order in one run) fwd+bwd went 381 -> 384, 379 -> 384, 307 -> 318, 343 -> 342 TFLOP/s on the
 # four benchmark rows: on by default; MLA_ATTN_BWD_SIDE_STREAM=0 keeps one stream.
-SIDE_STREAM_DQ = os.environ.get("MLA_ATTN_BWD_SIDE_STREAM", "1") != "0"
+SIDE_STREAM_DQ = _env.flag("MLA_ATTN_BWD_SIDE_STREAM", True)
 # ... but only where the backward has this much work, B * Hq * M * N * (Dqk + Dv) (half that when causal):
 # the fork and join cost 33-81 us of host time a step (profile_launch.py --train, the launcher alone with the
 # side stream and without, three H100 calls: 530 vs 449, 584 vs 504, 392 vs 359 us), and below it a step is
 # host-bound, so that time is the step's, while the overlap gains 1-3% of the GPU time. 8e10 is ~2 ms of fwd+bwd on the H100/H200 (16 x 16/8 x 1024 x 128, 3.4e10,
 # replays in 0.80 ms), above the ~1.3 ms of host time a step takes there.
-SIDE_STREAM_MIN_WORK = float(os.environ.get("MLA_ATTN_BWD_SIDE_STREAM_MIN_WORK", "8e10"))
+SIDE_STREAM_MIN_WORK = _env.number("MLA_ATTN_BWD_SIDE_STREAM_MIN_WORK", 8e10)
 _SIDE_STREAMS: dict = {}
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _env
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from .._strides import _in_units, pow2_unit
@@ -60,8 +61,8 @@ def split_head_dim(d: int) -> tuple[int, int]:
 
 # MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (stride_unit gives 1), MLA_ATTN_VALUE_SPLIT=0 pads the
 # value head to its power of two (split_value_dim gives no tail): for A/B timing only.
-STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
-VALUE_SPLIT = os.environ.get("MLA_ATTN_VALUE_SPLIT", "1") != "0"
+STRIDE_UNITS = _env.flag("MLA_ATTN_STRIDE_UNITS", True)
+VALUE_SPLIT = _env.flag("MLA_ATTN_VALUE_SPLIT", True)
 
 
 def stride_unit(*tensors) -> int:

@@ -75,10 +75,10 @@ Eager calls are host-bound and their times noisy: bench_decode's eager column at
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import _env
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
 from .._launch import rebased as _rebased
@@ -108,7 +108,7 @@ _LOG2E = 1.4426950408889634
 # Gluon MLA and MLA decode GPU test and ran B 1 / 16 / 64 / 128 in 48.7 / 118.8 / 210.1 / 776.3 us
 # (188 / 282 / 294 / 331 TFLOP/s), against 52.9 / 134.4 / 241.1 / 898.7 for the two-score schedule
 # and 51.1 / 136.4 / 248.2 / 890.5 for the Triton kernel. MLA_ATTN_GLUON_MLA_S_ONCE=0 turns it off.
-S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
+S_ONCE = _env.flag("MLA_ATTN_GLUON_MLA_S_ONCE", True)
 # S once, with the scorer of tile t issuing P_{t-1} V_{t-1} before S_t (``PV_FIRST`` in _consumer_s1).
 # A clock64 trace of the S-first order on the H200 (scripts/trace_mla_decode.py) showed the tile loop
 # serialised: ptxas waits for S_t before the scorer's rescale of acc (C7517), so P_{t-1} V_{t-1}, the
@@ -119,7 +119,7 @@ S_ONCE = os.environ.get("MLA_ATTN_GLUON_MLA_S_ONCE", "1") != "0"
 # default; MLA_ATTN_GLUON_MLA_PV_FIRST=0 turns it off. 2 also waits for that P V before issuing S_t (the
 # trace showed S_t's issue blocking until most of it has run): slower, see DEDICATED below. PV_FIRST applies
 # to the alternating scorers only (DEDICATED = 0).
-PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first, 1 P V first, 2 P V first, waited
+PV_FIRST = int(_env.choice("MLA_ATTN_GLUON_MLA_PV_FIRST", "1", ("0", "1", "2")))  # 0 S first, 1 P V first, 2 P V first, waited
 # S once with a dedicated scorer warpgroup and two P V warpgroups, the first of which also issues the loads
 # (``_scorer_sd`` / ``_pv_sd``). sm_90a: 168 registers, no spills, no C75xx. H200 probe at d283001
 # (scripts/probe_mla_decode.py, 132 programs, H = 128, cache in HBM): 2.255 us per 64-key tile against
@@ -131,14 +131,14 @@ PV_FIRST = int(os.environ.get("MLA_ATTN_GLUON_MLA_PV_FIRST", "1"))  # 0 S first,
 # as S_t is done, so it runs under the softmax and publish of tile t (``_scorer_sd``'s EARLY_S; sm_90a: 168
 # registers, no spills). Correct on the H200 (c97a5b7) but slower: 3.242 us a tile against 2.203 for 1 in
 # the same probe run, so S under the softmax costs the P V warpgroups more than the overlap gains.
-DEDICATED = int(os.environ.get("MLA_ATTN_GLUON_MLA_DEDICATED", "1"))
+DEDICATED = int(_env.choice("MLA_ATTN_GLUON_MLA_DEDICATED", "1", ("0", "1", "2", "3")))
 # Pages smaller than a 64-key tile (GATHER): the loading warpgroup gathers each tile by cp.async, every key
 # looking its own page up (``_gather_tile``), instead of one TMA box a tile. With the dedicated scorer only.
 # On by default: on the H200 (5efecc6, graph replays, H = 128) pages of 1 key ran at 0.91-0.94x of this
 # kernel's contiguous rate (B 1 / 16 / 64 / 128: 37.9 / 89.5 / 157.0 / 616.3 us against 35.7 / 82.3 / 145.9 /
 # 563.8), where the Triton kernel they ran on before reached 0.52-0.66x (afb81c9). Tests: pages 1, 4, 16,
 # 32, 48 with and without splits. MLA_ATTN_GLUON_MLA_SMALL_PAGES=0 sends such caches to the Triton kernel.
-SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "1") != "0"
+SMALL_PAGES = _env.flag("MLA_ATTN_GLUON_MLA_SMALL_PAGES", True)
 # Fewer than 64 heads (SMALL_HEADS; H = 16 is DeepSeek-V2-Lite's, and any tensor-parallel shard of 128
 # heads over 8 GPUs): one 64-row head tile a sequence, its rows past H filled with the next sequence's
 # queries by the TMA box (or zeros past the last), computed and never stored. The memory-bound H = 16 then
@@ -150,7 +150,7 @@ SMALL_PAGES = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_PAGES", "1") != "0"
 # - B 64 L 8192: 3349 against 3480; paged 64: 3326 against 3371.
 # - 8-layer steps: 3366-3687 against 3570-3872.
 # MLA_ATTN_GLUON_MLA_SMALL_HEADS=1 routes such calls here.
-SMALL_HEADS = os.environ.get("MLA_ATTN_GLUON_MLA_SMALL_HEADS", "0") == "1"
+SMALL_HEADS = _env.flag("MLA_ATTN_GLUON_MLA_SMALL_HEADS", False)
 DC, DR, HALF = 512, 64, 256
 BLOCK_H, BLOCK_N = 64, 64
 
@@ -1056,7 +1056,7 @@ class _GluonPlan:
 # Replays copy the first call's TMA descriptors instead of building new ones (_GluonPlan.descriptors).
 # H100 (83b4fd0): test_gluon_mla_plan_replay passed both ways; host time of an eager B = 1, H = 128 call
 # 120 -> 93 us (profile_launch.py, two rounds). On; MLA_ATTN_GLUON_MLA_REBASE=0 turns it off.
-REBASE_DESCRIPTORS = os.environ.get("MLA_ATTN_GLUON_MLA_REBASE", "1") != "0"
+REBASE_DESCRIPTORS = _env.flag("MLA_ATTN_GLUON_MLA_REBASE", True)
 
 
 # Plans by call key (see triton_decode._plans); only calls with the default schedule arguments are planned.

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _env
 from .._common import cdiv, next_pow2
 from .. import _launch as _fast
 from .._launch import Launch, PlanCache, Slot, tensor_key
@@ -404,7 +404,7 @@ class DecodeConfig:
 
 _NUM_SMS: dict[int, int] = {}
 # MLA_ATTN_STRIDE_UNITS=0 passes every stride as it is (_stride_unit gives 1): for A/B timing only.
-STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
+STRIDE_UNITS = _env.flag("MLA_ATTN_STRIDE_UNITS", True)
 
 
 # The GQA head split (_head_split), on by default since it ran on the H200 (session 31, d4f0737: 29 of 29 decode GPU
@@ -412,7 +412,7 @@ STRIDE_UNITS = os.environ.get("MLA_ATTN_STRIDE_UNITS", "1") != "0"
 # turns it off. It is taken only where the split tiles fill at most SPLIT_MAX_FILL of the padded one: at 72 and 80
 # (0.625 of 128) it gained 1.14-1.26x at B 32 contiguous and 1.05-1.06x paged 64, and tied at B 1; at 96 (0.75) it
 # was 0.98-1.03x of the padded head, so 96 (and 40 / 48, also 0.75) stay padded.
-HEAD_SPLIT = os.environ.get("MLA_ATTN_DECODE_SPLIT", "1") != "0"
+HEAD_SPLIT = _env.flag("MLA_ATTN_DECODE_SPLIT", True)
 SPLIT_MAX_FILL = 0.625
 
 
@@ -595,7 +595,7 @@ def _smaller(cfg: DecodeConfig):
 # times it; MLA_ATTN_DECODE_PAGE_SPAN=1 turns it on. H100 (e593a4d, session 33; its GPU tests pass), paged 64, graph
 # replays, GB/s: B 32 L 8192 d 72 2031 against 2236 off, d 80 2505 against 2438, d 128 2889 against 2905; B 1 L 32768
 # within 1% at 72 / 80 and 4% behind at 128. It gains only at d 80, B 32, so it stays off (the H200 has not timed it).
-PAGE_SPAN = os.environ.get("MLA_ATTN_DECODE_PAGE_SPAN", "0") == "1"
+PAGE_SPAN = _env.flag("MLA_ATTN_DECODE_PAGE_SPAN", False)
 
 
 def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) -> int:
@@ -617,7 +617,7 @@ def _tile_keys(block_n: int, paged: bool, page_size: int, span: bool = False) ->
 # paged 64 147.2-148.3 against 145.8-146.1; it won 1% at MLA H=16 B=64 contiguous (139.8 vs 140.5).
 # The ticket's release, its round trip and the merge's loads sit on the critical path of the last
 # split, and cost more than the combine launch they replace. MLA_ATTN_FUSED_MERGE=1 turns it on.
-FUSED_MERGE = os.environ.get("MLA_ATTN_FUSED_MERGE", "0") == "1"
+FUSED_MERGE = _env.flag("MLA_ATTN_FUSED_MERGE", False)
 FUSE_STEP = 8192
 FUSE_MAX_STEPS = 4
 _TICKET_SLOTS = 1 << 16
@@ -631,7 +631,7 @@ _tickets: dict = {}
 # In gqa_decode itself it did not carry over (H100, 77e6851, five rounds; docs/raw/probe_gqa_decode_77e6851_h100.md):
 # 354.4 us against 354.5 at B 32 (ranges overlapping) and 691.0 against 689.6 at B 128 (0.2% slower), so it stays
 # off. MLA_ATTN_DECODE_KV_MAJOR=1 turns it on; the probe times gqa_decode both ways.
-KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
+KV_MAJOR = _env.flag("MLA_ATTN_DECODE_KV_MAJOR", False)
 
 # Key masks on the last partial tile only (SPLIT_TAIL in the kernel): the whole tiles of a KV interval run in a loop
 # with no per-key mask and no -inf select, then the partial tile, if any, once with them (not pipelined: its loads
@@ -645,7 +645,7 @@ KV_MAJOR = os.environ.get("MLA_ATTN_DECODE_KV_MAJOR", "0") == "1"
 # spills there). So None, the default, takes it for contiguous GQA caches, and, under TAIL_PIPELINED's rule (None,
 # not yet the default), for MLA over whole-page tiles with the partial tile pipelined (which removes the spills);
 # True / False force it everywhere / nowhere (MLA_ATTN_DECODE_SPLIT_TAIL=1 / 0), for A/B timing.
-SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_TAIL", ""), None)
+SPLIT_TAIL = _env.tristate("MLA_ATTN_DECODE_SPLIT_TAIL", None)
 
 # Where SPLIT_TAIL is taken, the partial tile's loop pipelined like the whole tiles' (its K / V through shared
 # memory by cp.async) instead of loaded into registers. At sm_90a (Triton 3.6) it takes MLA 16 x 64 from 164 / 320
@@ -660,7 +660,7 @@ SPLIT_TAIL = {"1": True, "0": False}.get(os.environ.get("MLA_ATTN_DECODE_SPLIT_T
 # pipelined tail (scripts/gpu_check.sh ONLY=tailpipe), so the default is still False (the tail in registers where
 # SPLIT_TAIL is taken, i.e. contiguous GQA). True / False (=1 / =0) force it wherever SPLIT_TAIL is taken / nowhere,
 # for A/B timing.
-TAIL_PIPELINED = {"1": True, "0": False, "auto": None}.get(os.environ.get("MLA_ATTN_DECODE_TAIL_PIPELINED", "0"), False)
+TAIL_PIPELINED = _env.tristate("MLA_ATTN_DECODE_TAIL_PIPELINED", False, none="auto")
 
 
 def _whole_page_tiles(mla: bool, paged: bool, page_size: int, block_n: int) -> bool:
@@ -941,7 +941,7 @@ def gqa_decode(q, k_cache, v_cache, seq_lens, block_table, scale: float, num_spl
 # B = 128. So it is then not taken below GLUON_MLA_MIN_PROGRAMS x the SM count of unsplit programs
 # (B x H / 64) nor from about two waves of programs; an explicit num_splits still takes it (tests).
 # MLA_ATTN_GLUON_MLA=0 keeps the Triton kernel everywhere.
-GLUON_MLA = os.environ.get("MLA_ATTN_GLUON_MLA", "1") != "0"
+GLUON_MLA = _env.flag("MLA_ATTN_GLUON_MLA", True)
 GLUON_MLA_MIN_PROGRAMS = 1 / 8
 
 
