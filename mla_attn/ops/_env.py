@@ -36,9 +36,9 @@ def flag(name: str, default: bool) -> bool:
 
 def tristate(name: str, default: bool | None, none: str = "") -> bool | None:
     """``1`` True, ``0`` False, ``none`` (the empty string: unset) None, a rule decided per call."""
-    names = {"1": True, "0": False, none: None}
-    value = choice(name, next(k for k, v in names.items() if v is default), tuple(k for k in names if k))
-    return names[value]
+    values = {"1": True, "0": False, none: None}
+    unset = {True: "1", False: "0", None: none}[default]
+    return values[choice(name, unset, tuple(k for k in values if k))]
 
 
 def auto_or_count(name: str) -> str:

@@ -43,7 +43,6 @@ Session 13 (827090c, H200): both of these pass their oracle tests.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import _env

@@ -31,7 +31,6 @@ Dv 64 or 128, inputs head-major or token-major as ``gluon_bwd.dkdv_gluon``.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
