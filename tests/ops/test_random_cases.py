@@ -1,0 +1,198 @@
+"""Seeded random cases for the decode and flash-attention kernels, against the float64 oracle.
+
+The case lists in test_decode_triton.py and test_attention_triton.py are covering sets picked by hand: each
+tile shape, page size or module switch meets only the few shapes listed beside it. Here every draw
+combines shape, head counts, lengths (with zeros and ones), page size (1 to 128, and 48), split count,
+dtype (fp32 / fp16), query magnitude, strided views, tile configuration, and the decode module's switches
+(head split, split tail, pipelined tail, page span, fused merge, KV-major order, stride units). Each case
+comes from its seed alone, so a failure reproduces from its id, which also spells the draw out.
+
+Tolerances and input poisoning are those of the two modules (their ``_check`` helpers and input makers):
+at most 2x the error of PyTorch's own computation in the same dtype, floors ``dtype_floor(dtype)`` for
+outputs and 5x that for gradients, NaN in every unused cache slot, page tail and launcher buffer, and
+block-table entries past a sequence's last page set to 2**31 - 8.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_attention_triton import GRAD_FLOOR_FACTOR, LSE_ATOL, _grads, _torch_same_dtype
+from test_attention_triton import _check as _check_flash
+from test_decode_triton import _check, _gqa_inputs, _lowp_gqa, _lowp_mla, _mla_inputs
+
+from mla_attn.ops import decode as decode_ops
+from mla_attn.ops.attention import triton_fwd
+from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
+from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
+from mla_attn.ops.decode import triton_decode as td
+from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, decode_oracle, dtype_floor, mla_decode_oracle
+
+F32, F16 = torch.float32, torch.float16
+N_DECODE, N_FLASH = 20, 10  # cases per kind in CI (about a minute under the interpreter in all)
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_buffers(nan_decode_outputs, monkeypatch):
+    """Every buffer the decode and flash launchers allocate starts as NaN."""
+    monkeypatch.setattr(triton_fwd, "_alloc", lambda shape, device, dtype: torch.full(shape, float("nan"),
+                                                                                        device=device, dtype=dtype))
+
+
+def _lens(r: random.Random, b: int, longest: int) -> list[int]:
+    return [0 if x < 0.12 else 1 if x < 0.2 else r.randint(2, longest) for x in (r.random() for _ in range(b))]
+
+
+def _tiles(r: random.Random):
+    """A tile configuration the GPU defaults could pick, or None for the interpreter's default."""
+    if r.random() < 0.3:
+        return None
+    block_h = r.choice([16, 32, 64])
+    warps = r.choice([4, 8]) if block_h == 64 else 4
+    return td.DecodeConfig(block_h, r.choice([16, 32, 64, 128]), warps, r.choice([1, 2, 3, 4]),
+                           unchain=r.choice([None, True]) if warps == 8 else None)
+
+
+def _switches(r: random.Random, gqa: bool) -> dict:
+    sw = dict(SPLIT_TAIL=r.choice([None, True, False]), TAIL_PIPELINED=r.choice([None, True, False]),
+              PAGE_SPAN=r.random() < 0.3, FUSED_MERGE=r.random() < 0.3, KV_MAJOR=r.random() < 0.2,
+              STRIDE_UNITS=r.random() < 0.8)
+    if gqa:
+        sw["HEAD_SPLIT"] = r.random() < 0.5
+    return sw
+
+
+def _gqa_draw(seed: int) -> dict:
+    r = random.Random(1_000_003 * seed + 1)
+    hkv, group = r.choice([1, 1, 2, 3, 4]), r.choice([1, 2, 3, 4, 5, 7, 8, 16, 32])
+    d = r.choice([16, 32, 40, 48, 63, 64, 72, 80, 96, 128])
+    b, page = r.randint(1, 4), r.choice([None, None, 1, 2, 4, 8, 16, 32, 64, 128, 48])
+    return dict(b=b, hq=hkv * group, hkv=hkv, d=d, dv=r.choice([d, d, 16, 32, 48, 64]), s=r.choice([1, 1, 2, 3, 4]),
+                lens=_lens(r, b, r.choice([20, 80, 200])), page=page, splits=r.choice([None, None, 1, 2, 3, 5, 8]),
+                dtype=r.choice([F32, F16]), qmul=r.choice([1.0, 1.0, 30.0, 100.0]),
+                strided=page is None and r.random() < 0.3, api=r.random() < 0.5, cfg=_tiles(r),
+                switches=_switches(r, True))
+
+
+def _mla_draw(seed: int) -> dict:
+    r = random.Random(1_000_003 * seed + 2)
+    dc = r.choice([16, 32, 48, 64, 96, 128, 512])
+    b = r.randint(1, 3)
+    return dict(b=b, h=r.choice([1, 2, 3, 4, 9, 16, 17, 32, 64, 128]), dc=dc, dr=r.choice([0, 8, 16, 32, 64]),
+                s=r.choice([1, 1, 2, 3]), lens=_lens(r, b, r.choice([20, 70] if dc == 512 else [20, 80, 160])),
+                page=r.choice([None, None, 1, 4, 16, 32, 64, 128, 48]), splits=r.choice([None, None, 1, 2, 3, 5]),
+                dtype=r.choice([F32, F16]), qmul=r.choice([1.0, 1.0, 100.0]), api=r.random() < 0.5, cfg=_tiles(r),
+                switches=_switches(r, False))
+
+
+def _flash_draw(seed: int) -> dict:
+    r = random.Random(1_000_003 * seed + 3)
+    hkv, group = r.choice([1, 2, 3]), r.choice([1, 2, 3, 4])
+    dqk, dv = r.choice([(16, 16), (32, 16), (48, 32), (64, 64), (32, 48), (64, 80), (72, 72), (40, 40), (8, 24),
+                        (128, 128), (192, 128)])
+    m = r.choice([1, r.randint(1, 40), r.randint(1, 150)])
+    n = r.choice([1, m, r.randint(1, 40), r.randint(1, 160)])
+    tiles = r.random() < 0.5 and dqk <= 128 and dv <= 128  # explicit tiles for the three kernels, else the defaults
+
+    def tile():
+        return (r.choice([16, 32, 64, 128]), r.choice([16, 32, 64, 128]), 4, 1)
+
+    return dict(b=r.randint(1, 2), hq=hkv * group, hkv=hkv, m=m, n=n, dqk=dqk, dv=dv, causal=r.random() < 0.6,
+                dtype=r.choice([F32, F16]), tiles=(tile(), tile(), tile()) if tiles else None)
+
+
+def _id(prefix: str, seed: int, draw: dict) -> str:
+    def short(v):
+        if isinstance(v, torch.dtype):
+            return str(v)[6:]
+        if isinstance(v, td.DecodeConfig):
+            return f"{v.block_h}x{v.block_n}w{v.num_warps}s{v.num_stages}" + ("u" if v.unchain else "")
+        if isinstance(v, dict):  # the switches set away from their defaults
+            return ",".join(f"{k}={short(x)}" for k, x in v.items() if x is not DEFAULTS[k]) or "defaults"
+        if isinstance(v, (list, tuple)):
+            return "_".join(short(x) for x in v)
+        return str(v)
+
+    return f"{prefix}{seed}-" + "-".join(f"{k}{short(v)}" for k, v in draw.items())
+
+
+DEFAULTS = dict(SPLIT_TAIL=td.SPLIT_TAIL, TAIL_PIPELINED=td.TAIL_PIPELINED, PAGE_SPAN=td.PAGE_SPAN,
+                FUSED_MERGE=td.FUSED_MERGE, KV_MAJOR=td.KV_MAJOR, STRIDE_UNITS=td.STRIDE_UNITS, HEAD_SPLIT=td.HEAD_SPLIT)
+
+
+def _apply(switches: dict, monkeypatch) -> None:
+    for name, value in switches.items():
+        monkeypatch.setattr(td, name, value)
+    if switches.get("HEAD_SPLIT"):  # the split wherever it narrows the tile, as in test_decode_triton.py
+        monkeypatch.setattr(td, "SPLIT_MAX_FILL", 1.0)
+
+
+GQA_SEEDS = list(range(N_DECODE))
+MLA_SEEDS = list(range(N_DECODE))
+FLASH_SEEDS = list(range(N_FLASH))
+
+
+@pytest.mark.parametrize("seed", GQA_SEEDS, ids=[_id("gqa", s, _gqa_draw(s)) for s in GQA_SEEDS])
+def test_random_gqa_decode(seed, monkeypatch):
+    c = _gqa_draw(seed)
+    _apply(c["switches"], monkeypatch)
+    torch.manual_seed(seed)
+    q, k, v, seq_lens, table = _gqa_inputs(c["b"], c["hq"], c["hkv"], c["d"], c["dv"], c["s"], c["lens"], c["page"],
+                                           c["dtype"], c["qmul"], c["strided"], seed=seed)
+    scale = c["d"] ** -0.5
+    if c["api"] and c["cfg"] is None:
+        o, lse = decode_ops.decode_attention(q, k, v, seq_lens, block_table=table, scale=scale,
+                                             num_splits=c["splits"], return_lse=True, impl="triton")
+    else:
+        o, lse = td.gqa_decode(q, k, v, seq_lens, table, scale, c["splits"], config=c["cfg"])
+    ref_o, ref_lse = decode_oracle(q, k, v, seq_lens, block_table=table, scale=scale)
+    _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, scale), c["dtype"])
+
+
+@pytest.mark.parametrize("seed", MLA_SEEDS, ids=[_id("mla", s, _mla_draw(s)) for s in MLA_SEEDS])
+def test_random_mla_decode(seed, monkeypatch):
+    c = _mla_draw(seed)
+    _apply(c["switches"], monkeypatch)
+    torch.manual_seed(seed)
+    ql, qr, kv, kr, seq_lens, table = _mla_inputs(c["b"], c["h"], c["dc"], c["dr"], c["s"], c["lens"], c["page"],
+                                                  c["dtype"], c["qmul"], seed=seed)
+    scale = 0.125 if c["qmul"] == 1 else 0.05
+    if c["api"] and c["cfg"] is None:
+        o, lse = decode_ops.mla_decode(ql, qr, kv, kr, seq_lens, scale=scale, block_table=table,
+                                       num_splits=c["splits"], return_lse=True, impl="triton")
+    else:
+        o, lse = td.mla_decode(ql, qr, kv, kr, seq_lens, table, scale, c["splits"], config=c["cfg"])
+    ref_o, ref_lse = mla_decode_oracle(ql, qr, kv, kr, seq_lens, scale=scale, block_table=table)
+    _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, kv, kr, seq_lens, table, scale), c["dtype"])
+
+
+@pytest.mark.parametrize("seed", FLASH_SEEDS, ids=[_id("flash", s, _flash_draw(s)) for s in FLASH_SEEDS])
+def test_random_flash_attention(seed):
+    c = _flash_draw(seed)
+    torch.manual_seed(seed)
+    args = (c["b"], c["hq"], c["hkv"], c["m"], c["n"], c["dqk"], c["dv"], c["causal"], c["dtype"])
+    if c["tiles"] is None:  # through the autograd function, q transposed and K/V inside NaN-padded storage
+        _check_flash(*args, strided=c["n"] > 1)
+        return
+    b, hq, hkv, m, n, dqk, dv, causal, dtype = args
+    scale = dqk ** -0.5
+    q, k = torch.randn(b, hq, m, dqk).to(dtype), torch.randn(b, hkv, n, dqk).to(dtype)
+    v, do = torch.randn(b, hkv, n, dv).to(dtype), torch.randn(b, hq, m, dv).to(dtype)
+    fwd_tiles, dkdv_tiles, dq_tiles = c["tiles"]
+    o, lse = flash_attn_fwd(q, k, v, causal, scale, config=fwd_tiles)
+    grads = flash_attn_bwd(do, q, k, v, o, lse, causal, scale, dkdv_config=dkdv_tiles, dq_config=dq_tiles)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = attention_oracle(q64, k64, v64, causal=causal, scale=scale)
+    o_ref.backward(do.double())
+    o_base, g_base = _grads(lambda a, b_, c_: _torch_same_dtype(a, b_, c_, causal, scale), (q, k, v), do)
+    floor = dtype_floor(dtype)
+    assert_close(o, o_ref, floor=floor, baseline=o_base, name="o")
+    assert_lse_close(lse, lse_ref, atol=LSE_ATOL[dtype])
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), g_base):
+        assert torch.isfinite(got).all(), f"{name}: non-finite values"
+        if want.norm() < 1e-9:  # no visible key, or N = 1: dS is 0 up to cancellation (as in _check_flash)
+            assert got.abs().max() <= floor * do.abs().max() * v.abs().max() * dv, f"{name}: not ~0"
+            continue
+        assert_close(got, want, floor=GRAD_FLOOR_FACTOR * floor, baseline=base, name=name)
