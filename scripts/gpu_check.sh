@@ -25,7 +25,8 @@
 #     copy of our kernel with and without per-tile key masks, against gqa_decode with and without SPLIT_TAIL
 #     (scripts/probe_gqa_decode.py); then the decode GPU tests with SPLIT_TAIL forced on
 #   ONLY=tailpipe bash scripts/gpu_check.sh [OUTDIR]   SPLIT_TAIL's partial tile pipelined (TAIL_PIPELINED), through
-#     registers and every tile masked, on the MLA H 16 and GQA B 32 rows; then the decode GPU tests with both forced on
+#     registers and every tile masked, on the MLA H 16 and GQA B 32 rows; then the decode GPU tests with both forced on,
+#     and the seeded random decode cases (tests/ops/test_random_cases.py: tiles and switches drawn per case)
 #   ONLY=fwd192 bash scripts/gpu_check.sh [OUTDIR]   the Gluon forward's schedules at Dqk 192; the one-pass
 #     backward's probe (its bulk adds unordered / counters only: timing diagnostics)
 #   ONLY=bwdprobe bash scripts/gpu_check.sh [OUTDIR]   fwd+bwd against SDPA in deterministic mode, and the
@@ -162,6 +163,8 @@ if [ "${ONLY:-}" = tailpipe ]; then
   step "bench decode: tail pipelined / through registers / masked" "$(lim 200)" $PY scripts/bench_decode.py --tail-pipe-variants --graph --layers 0 \
     --shapes mla128x16,mla64x16,gqa32 --out "$out/bench_decode_tailpipe.md"
   step "decode GPU tests, SPLIT_TAIL and TAIL_PIPELINED forced on" "$(lim 240)" bash -c "MLA_ATTN_DECODE_SPLIT_TAIL=1 MLA_ATTN_DECODE_TAIL_PIPELINED=1 $PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_decode_triton.py tests/ops/test_decode_bounds.py 2>&1 | tee '$out/gpu_tail_pipelined_tests.log' | tail -5; exit \${PIPESTATUS[0]}"
+  # Session 44: seeded random decode cases, each with its own tiles and switches (the rule, forced, off) in bf16 / fp16
+  step "decode GPU tests: random cases" "$(lim 180)" bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_random_cases.py 2>&1 | tee '$out/gpu_random_tests.log' | tail -8; exit \${PIPESTATUS[0]}"
   echo "gpu_check status: $status"
   exit $status
 fi
@@ -316,7 +319,7 @@ case $part in
   # tests-attn in two halves, for a cold machine where the whole of it ran past 540 s (session 23)
   tests-attn1) gpu_files="tests/ops/test_attention_gluon.py"; gpu_k=" and gluon_forward" ;;
   tests-attn2) gpu_files="tests/ops/test_attention_triton.py tests/ops/test_attention_gluon.py tests/ops/test_review_lse_grad.py"; gpu_k=" and not gluon_forward" ;;
-  tests-decode) gpu_files="tests/ops/test_decode_triton.py tests/layers" ;;
+  tests-decode) gpu_files="tests/ops/test_decode_triton.py tests/ops/test_random_cases.py tests/layers" ;;
   *) gpu_files="tests --ignore=tests/ops/test_attention_gluon_ws.py --ignore=tests/ops/test_decode_gluon_mla.py --ignore=tests/ops/test_attention_fused_bwd.py" ;;
 esac
 case $part in all|tests|tests-attn|tests-attn1|tests-attn2|tests-decode) run_gpu_tests=1 ;; *) run_gpu_tests=0 ;; esac

@@ -30,8 +30,9 @@ from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 from mla_attn.ops.decode import triton_decode as td
 from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, decode_oracle, dtype_floor, mla_decode_oracle
 
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 N_DECODE, N_FLASH = 20, 10  # cases per kind in CI (about a minute under the interpreter in all)
+N_DECODE_GPU = 16  # bf16 / fp16 on CUDA, longer caches: compiled kernels for the drawn tiles and switches
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +56,12 @@ def _tiles(r: random.Random):
                            unchain=r.choice([None, True]) if warps == 8 else None)
 
 
+def _fits(cfg, key_bytes: int, q_bytes: int) -> bool:
+    """Whether a drawn tile plainly fits an SM's shared memory (a pinned tile that does not is an error by design,
+    test_out_of_resources_falls_back_to_smaller_tiles): num_stages key tiles and the query tile, under 160 KB."""
+    return cfg is None or cfg.num_stages * cfg.block_n * key_bytes + cfg.block_h * q_bytes <= 160 * 1024
+
+
 def _switches(r: random.Random, gqa: bool) -> dict:
     sw = dict(SPLIT_TAIL=r.choice([None, True, False]), TAIL_PIPELINED=r.choice([None, True, False]),
               PAGE_SPAN=r.random() < 0.3, FUSED_MERGE=r.random() < 0.3, KV_MAJOR=r.random() < 0.2,
@@ -64,27 +71,34 @@ def _switches(r: random.Random, gqa: bool) -> dict:
     return sw
 
 
-def _gqa_draw(seed: int) -> dict:
+def _gqa_draw(seed: int, gpu: bool = False) -> dict:
     r = random.Random(1_000_003 * seed + 1)
     hkv, group = r.choice([1, 1, 2, 3, 4]), r.choice([1, 2, 3, 4, 5, 7, 8, 16, 32])
     d = r.choice([16, 32, 40, 48, 63, 64, 72, 80, 96, 128])
     b, page = r.randint(1, 4), r.choice([None, None, 1, 2, 4, 8, 16, 32, 64, 128, 48])
-    return dict(b=b, hq=hkv * group, hkv=hkv, d=d, dv=r.choice([d, d, 16, 32, 48, 64]), s=r.choice([1, 1, 2, 3, 4]),
-                lens=_lens(r, b, r.choice([20, 80, 200])), page=page, splits=r.choice([None, None, 1, 2, 3, 5, 8]),
-                dtype=r.choice([F32, F16]), qmul=r.choice([1.0, 1.0, 30.0, 100.0]),
-                strided=page is None and r.random() < 0.3, api=r.random() < 0.5, cfg=_tiles(r),
-                switches=_switches(r, True))
+    c = dict(b=b, hq=hkv * group, hkv=hkv, d=d, dv=r.choice([d, d, 16, 32, 48, 64]), s=r.choice([1, 1, 2, 3, 4]),
+             lens=_lens(r, b, r.choice([300, 1000, 3000] if gpu else [20, 80, 200])), page=page,
+             splits=r.choice([None, None, 1, 2, 3, 5, 8]), dtype=r.choice([BF16, F16] if gpu else [F32, F16]),
+             qmul=r.choice([1.0, 1.0, 30.0, 100.0]), strided=page is None and r.random() < 0.3, api=r.random() < 0.5,
+             cfg=_tiles(r), switches=_switches(r, True))
+    if gpu and not _fits(c["cfg"], 2 * (c["d"] + c["dv"]), 2 * c["d"]):
+        c["cfg"] = None
+    return c
 
 
-def _mla_draw(seed: int) -> dict:
+def _mla_draw(seed: int, gpu: bool = False) -> dict:
     r = random.Random(1_000_003 * seed + 2)
     dc = r.choice([16, 32, 48, 64, 96, 128, 512])
     b = r.randint(1, 3)
-    return dict(b=b, h=r.choice([1, 2, 3, 4, 9, 16, 17, 32, 64, 128]), dc=dc, dr=r.choice([0, 8, 16, 32, 64]),
-                s=r.choice([1, 1, 2, 3]), lens=_lens(r, b, r.choice([20, 70] if dc == 512 else [20, 80, 160])),
-                page=r.choice([None, None, 1, 4, 16, 32, 64, 128, 48]), splits=r.choice([None, None, 1, 2, 3, 5]),
-                dtype=r.choice([F32, F16]), qmul=r.choice([1.0, 1.0, 100.0]), api=r.random() < 0.5, cfg=_tiles(r),
-                switches=_switches(r, False))
+    longest = [300, 1000, 3000] if gpu else [20, 70] if dc == 512 else [20, 80, 160]
+    c = dict(b=b, h=r.choice([1, 2, 3, 4, 9, 16, 17, 32, 64, 128]), dc=dc, dr=r.choice([0, 8, 16, 32, 64]),
+             s=r.choice([1, 1, 2, 3]), lens=_lens(r, b, r.choice(longest)),
+             page=r.choice([None, None, 1, 4, 16, 32, 64, 128, 48]), splits=r.choice([None, None, 1, 2, 3, 5]),
+             dtype=r.choice([BF16, F16] if gpu else [F32, F16]), qmul=r.choice([1.0, 1.0, 100.0]),
+             api=r.random() < 0.5, cfg=_tiles(r), switches=_switches(r, False))
+    if gpu and not _fits(c["cfg"], 2 * (c["dc"] + c["dr"]), 2 * (c["dc"] + c["dr"])):
+        c["cfg"] = None
+    return c
 
 
 def _flash_draw(seed: int) -> dict:
@@ -134,9 +148,7 @@ MLA_SEEDS = list(range(N_DECODE))
 FLASH_SEEDS = list(range(N_FLASH))
 
 
-@pytest.mark.parametrize("seed", GQA_SEEDS, ids=[_id("gqa", s, _gqa_draw(s)) for s in GQA_SEEDS])
-def test_random_gqa_decode(seed, monkeypatch):
-    c = _gqa_draw(seed)
+def _run_gqa(seed, c, monkeypatch):
     _apply(c["switches"], monkeypatch)
     torch.manual_seed(seed)
     q, k, v, seq_lens, table = _gqa_inputs(c["b"], c["hq"], c["hkv"], c["d"], c["dv"], c["s"], c["lens"], c["page"],
@@ -151,9 +163,7 @@ def test_random_gqa_decode(seed, monkeypatch):
     _check(o, lse, ref_o, ref_lse, _lowp_gqa(q, k, v, seq_lens, table, scale), c["dtype"])
 
 
-@pytest.mark.parametrize("seed", MLA_SEEDS, ids=[_id("mla", s, _mla_draw(s)) for s in MLA_SEEDS])
-def test_random_mla_decode(seed, monkeypatch):
-    c = _mla_draw(seed)
+def _run_mla(seed, c, monkeypatch):
     _apply(c["switches"], monkeypatch)
     torch.manual_seed(seed)
     ql, qr, kv, kr, seq_lens, table = _mla_inputs(c["b"], c["h"], c["dc"], c["dr"], c["s"], c["lens"], c["page"],
@@ -166,6 +176,31 @@ def test_random_mla_decode(seed, monkeypatch):
         o, lse = td.mla_decode(ql, qr, kv, kr, seq_lens, table, scale, c["splits"], config=c["cfg"])
     ref_o, ref_lse = mla_decode_oracle(ql, qr, kv, kr, seq_lens, scale=scale, block_table=table)
     _check(o, lse, ref_o, ref_lse, _lowp_mla(ql, qr, kv, kr, seq_lens, table, scale), c["dtype"])
+
+
+@pytest.mark.parametrize("seed", GQA_SEEDS, ids=[_id("gqa", s, _gqa_draw(s)) for s in GQA_SEEDS])
+def test_random_gqa_decode(seed, monkeypatch):
+    _run_gqa(seed, _gqa_draw(seed), monkeypatch)
+
+
+@pytest.mark.parametrize("seed", MLA_SEEDS, ids=[_id("mla", s, _mla_draw(s)) for s in MLA_SEEDS])
+def test_random_mla_decode(seed, monkeypatch):
+    _run_mla(seed, _mla_draw(seed), monkeypatch)
+
+
+GPU_SEEDS = list(range(100, 100 + N_DECODE_GPU))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", GPU_SEEDS, ids=[_id("gqa", s, _gqa_draw(s, gpu=True)) for s in GPU_SEEDS])
+def test_random_gqa_decode_gpu(seed, monkeypatch):
+    _run_gqa(seed, _gqa_draw(seed, gpu=True), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", GPU_SEEDS, ids=[_id("mla", s, _mla_draw(s, gpu=True)) for s in GPU_SEEDS])
+def test_random_mla_decode_gpu(seed, monkeypatch):
+    _run_mla(seed, _mla_draw(seed, gpu=True), monkeypatch)
 
 
 @pytest.mark.parametrize("seed", FLASH_SEEDS, ids=[_id("flash", s, _flash_draw(s)) for s in FLASH_SEEDS])
