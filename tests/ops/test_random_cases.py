@@ -3,7 +3,8 @@
 The case lists in test_decode_triton.py and test_attention_triton.py are covering sets picked by hand: each
 tile shape, page size or module switch meets only the few shapes listed beside it. Here every draw
 combines shape, head counts, lengths (with zeros and ones), page size (1 to 128, and 48), split count,
-dtype (fp32 / fp16), query magnitude, strided views, tile configuration, and the decode module's switches
+dtype (fp32 / fp16 under the interpreter; bf16 / fp16 and caches up to 3000 tokens in the ``gpu`` cases),
+query magnitude, strided views, tile configuration, and the decode module's switches
 (head split, split tail, pipelined tail, page span, fused merge, KV-major order, stride units). Each case
 comes from its seed alone, so a failure reproduces from its id, which also spells the draw out.
 
@@ -47,7 +48,7 @@ def _lens(r: random.Random, b: int, longest: int) -> list[int]:
 
 
 def _tiles(r: random.Random):
-    """A tile configuration the GPU defaults could pick, or None for the interpreter's default."""
+    """A tile configuration of the kind the GPU defaults pick, or None for default_config's own."""
     if r.random() < 0.3:
         return None
     block_h = r.choice([16, 32, 64])
