@@ -8,6 +8,10 @@ query magnitude, strided views, tile configuration, and the decode module's swit
 (head split, split tail, pipelined tail, page span, fused merge, KV-major order, stride units). Each case
 comes from its seed alone, so a failure reproduces from its id, which also spells the draw out.
 
+CI runs 20 cases of each decode kind and 10 flash cases. For a longer hunt after a kernel change, set
+``RANDOM_CASES`` (cases per decode kind; flash gets half) and ``RANDOM_FIRST_SEED`` (default 0), e.g.
+``RANDOM_CASES=500 RANDOM_FIRST_SEED=1000 pytest -q tests/ops/test_random_cases.py`` (about a quarter of an hour on two cores).
+
 Tolerances and input poisoning are those of the two modules (their ``_check`` helpers and input makers):
 at most 2x the error of PyTorch's own computation in the same dtype, floors ``dtype_floor(dtype)`` for
 outputs and 5x that for gradients, NaN in every unused cache slot, page tail and launcher buffer, and
@@ -16,6 +20,7 @@ block-table entries past a sequence's last page set to 2**31 - 8.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -32,7 +37,9 @@ from mla_attn.ops.decode import triton_decode as td
 from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, decode_oracle, dtype_floor, mla_decode_oracle
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-N_DECODE, N_FLASH = 20, 10  # cases per kind in CI (about a minute under the interpreter in all)
+N_DECODE = int(os.environ.get("RANDOM_CASES", "20"))  # cases per decode kind (about 40 s in all under the interpreter)
+N_FLASH = max(1, N_DECODE // 2)
+FIRST_SEED = int(os.environ.get("RANDOM_FIRST_SEED", "0"))
 N_DECODE_GPU = 16  # bf16 / fp16 on CUDA, longer caches: compiled kernels for the drawn tiles and switches
 
 
@@ -144,9 +151,9 @@ def _apply(switches: dict, monkeypatch) -> None:
         monkeypatch.setattr(td, "SPLIT_MAX_FILL", 1.0)
 
 
-GQA_SEEDS = list(range(N_DECODE))
-MLA_SEEDS = list(range(N_DECODE))
-FLASH_SEEDS = list(range(N_FLASH))
+GQA_SEEDS = list(range(FIRST_SEED, FIRST_SEED + N_DECODE))
+MLA_SEEDS = list(range(FIRST_SEED, FIRST_SEED + N_DECODE))
+FLASH_SEEDS = list(range(FIRST_SEED, FIRST_SEED + N_FLASH))
 
 
 def _run_gqa(seed, c, monkeypatch):
