@@ -64,10 +64,15 @@ def _tiles(r: random.Random):
                            unchain=r.choice([None, True]) if warps == 8 else None)
 
 
-def _fits(cfg, key_bytes: int, q_bytes: int) -> bool:
-    """Whether a drawn tile plainly fits an SM's shared memory (a pinned tile that does not is an error by design,
-    test_out_of_resources_falls_back_to_smaller_tiles): num_stages key tiles and the query tile, under 160 KB."""
-    return cfg is None or cfg.num_stages * cfg.block_n * key_bytes + cfg.block_h * q_bytes <= 160 * 1024
+def _fits(cfg, key_bytes: int, q_bytes: int, acc_cols: int) -> bool:
+    """Whether a drawn tile plainly fits an SM (a pinned tile that does not is an error by design,
+    test_out_of_resources_falls_back_to_smaller_tiles): num_stages key tiles and the query tile under 160 KB of
+    shared memory, and the fp32 accumulator at most 128 registers a thread (the default MLA tile of 32 rows x 512
+    over 4 warps), so that no drawn tile spills its way through a long compile."""
+    if cfg is None:
+        return True
+    smem = cfg.num_stages * cfg.block_n * key_bytes + cfg.block_h * q_bytes
+    return smem <= 160 * 1024 and cfg.block_h * acc_cols // (32 * cfg.num_warps) <= 128
 
 
 def _switches(r: random.Random, gqa: bool) -> dict:
@@ -89,7 +94,7 @@ def _gqa_draw(seed: int, gpu: bool = False) -> dict:
              splits=r.choice([None, None, 1, 2, 3, 5, 8]), dtype=r.choice([BF16, F16] if gpu else [F32, F16]),
              qmul=r.choice([1.0, 1.0, 30.0, 100.0]), strided=page is None and r.random() < 0.3, api=r.random() < 0.5,
              cfg=_tiles(r), switches=_switches(r, True))
-    if gpu and not _fits(c["cfg"], 2 * (c["d"] + c["dv"]), 2 * c["d"]):
+    if gpu and not _fits(c["cfg"], 2 * (c["d"] + c["dv"]), 2 * c["d"], c["dv"]):
         c["cfg"] = None
     return c
 
@@ -104,7 +109,7 @@ def _mla_draw(seed: int, gpu: bool = False) -> dict:
              page=r.choice([None, None, 1, 4, 16, 32, 64, 128, 48]), splits=r.choice([None, None, 1, 2, 3, 5]),
              dtype=r.choice([BF16, F16] if gpu else [F32, F16]), qmul=r.choice([1.0, 1.0, 100.0]),
              api=r.random() < 0.5, cfg=_tiles(r), switches=_switches(r, False))
-    if gpu and not _fits(c["cfg"], 2 * (c["dc"] + c["dr"]), 2 * (c["dc"] + c["dr"])):
+    if gpu and not _fits(c["cfg"], 2 * (c["dc"] + c["dr"]), 2 * (c["dc"] + c["dr"]), c["dc"]):
         c["cfg"] = None
     return c
 
