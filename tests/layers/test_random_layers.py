@@ -31,10 +31,12 @@ def _draw(seed: int) -> dict:
     if c["kind"] == "mla":
         c.update(heads=r.choice([1, 2, 3, 5, 8]), rank=r.choice([16, 24, 32, 64]), nope=r.choice([8, 12, 16, 32]),
                  rope=r.choice([0, 4, 8, 16]), v=r.choice([8, 10, 16, 32]), q_lora=r.choice([None, 24, 40]),
-                 yarn=r.random() < 0.5, interleave=r.random() < 0.5, path=r.choice([None, None, "expanded", "absorbed"]))
+                 yarn=r.random() < 0.5, interleave=r.random() < 0.5,
+                 path=r.choice([None, None, "expanded", "absorbed"]))
     else:
         kv = r.choice([1, 2, 3])
-        c.update(heads=kv * r.choice([1, 2, 3, 4]), kv_heads=kv, head_dim=r.choice([8, 16, 24, 32]), bias=r.random() < 0.5)
+        c.update(heads=kv * r.choice([1, 2, 3, 4]), kv_heads=kv, head_dim=r.choice([8, 16, 24, 32]),
+                 bias=r.random() < 0.5)
     c.update(b=r.randint(1, 3), t=r.randint(1, 70), page=r.choice([None, 1, 4, 16, 64]), spare=r.randint(0, 9))
     chunks, left = [], c["t"]
     while left:

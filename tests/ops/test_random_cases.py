@@ -10,7 +10,8 @@ comes from its seed alone, so a failure reproduces from its id, which also spell
 
 CI runs 20 cases of each decode kind and 10 flash cases. For a longer hunt after a kernel change, set
 ``RANDOM_CASES`` (cases per decode kind; flash gets half) and ``RANDOM_FIRST_SEED`` (default 0), e.g.
-``RANDOM_CASES=500 RANDOM_FIRST_SEED=1000 pytest -q tests/ops/test_random_cases.py`` (1,250 cases, 6.5 minutes on this two-core machine).
+``RANDOM_CASES=500 RANDOM_FIRST_SEED=1000 pytest -q tests/ops/test_random_cases.py`` (1,250 cases, 6.5 minutes on
+a two-core machine).
 
 Tolerances and input poisoning are those of the two modules (their ``_check`` helpers and input makers):
 at most 2x the error of PyTorch's own computation in the same dtype, floors ``dtype_floor(dtype)`` for
@@ -34,7 +35,8 @@ from mla_attn.ops.attention import triton_fwd
 from mla_attn.ops.attention.triton_bwd import flash_attn_bwd
 from mla_attn.ops.attention.triton_fwd import flash_attn_fwd
 from mla_attn.ops.decode import triton_decode as td
-from mla_attn.testing import assert_close, assert_lse_close, attention_oracle, decode_oracle, dtype_floor, mla_decode_oracle
+from mla_attn.testing import (assert_close, assert_lse_close, attention_oracle, decode_oracle, dtype_floor,
+                              mla_decode_oracle)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 N_DECODE = int(os.environ.get("RANDOM_CASES", "20"))  # cases per decode kind (about 40 s in all under the interpreter)
@@ -145,8 +147,8 @@ def _id(prefix: str, seed: int, draw: dict) -> str:
     return f"{prefix}{seed}-" + "-".join(f"{k}{short(v)}" for k, v in draw.items())
 
 
-DEFAULTS = dict(SPLIT_TAIL=td.SPLIT_TAIL, TAIL_PIPELINED=td.TAIL_PIPELINED, PAGE_SPAN=td.PAGE_SPAN,
-                FUSED_MERGE=td.FUSED_MERGE, KV_MAJOR=td.KV_MAJOR, STRIDE_UNITS=td.STRIDE_UNITS, HEAD_SPLIT=td.HEAD_SPLIT)
+DEFAULTS = {name: getattr(td, name) for name in ("SPLIT_TAIL", "TAIL_PIPELINED", "PAGE_SPAN", "FUSED_MERGE", "KV_MAJOR",
+                                                 "STRIDE_UNITS", "HEAD_SPLIT")}
 
 
 def _apply(switches: dict, monkeypatch) -> None:
