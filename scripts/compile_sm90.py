@@ -20,7 +20,6 @@ emits no ``cp.async`` and the shared-memory and register numbers describe a diff
 from __future__ import annotations
 
 import argparse
-import glob
 import inspect
 import os
 import re
@@ -65,10 +64,11 @@ def _compile(fn, ptrs: dict, const: dict, warps: int, stages: int, aligned=lambd
 
 
 def _ptxas() -> str:
-    found = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
-    if not found:
-        raise SystemExit("no ptxas next to this Triton (backends/nvidia/bin/ptxas)")
-    return found[0]
+    """The ptxas this Triton compiles sm_90a with (Triton 3.9 ships a newer one as ptxas-blackwell and uses it: its
+    ``ptxas`` rejects the PTX 9.x that 3.9 emits)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
 
 
 def main():

@@ -11,7 +11,8 @@ comes from its seed alone, so a failure reproduces from its id, which also spell
 CI runs 20 cases of each decode kind and 10 flash cases. For a longer hunt after a kernel change, set
 ``RANDOM_CASES`` (cases per decode kind; flash gets half) and ``RANDOM_FIRST_SEED`` (default 0), e.g.
 ``RANDOM_CASES=500 RANDOM_FIRST_SEED=1000 pytest -q tests/ops/test_random_cases.py`` (1,250 cases, 6.5 minutes on
-a two-core machine).
+a two-core machine). Before spending device time on the ``gpu`` cases, ``scripts/compile_random_cases.py`` compiles
+every kernel they would launch for sm_90a on a machine without a GPU.
 
 Tolerances and input poisoning are those of the two modules (their ``_check`` helpers and input makers):
 at most 2x the error of PyTorch's own computation in the same dtype, floors ``dtype_floor(dtype)`` for
