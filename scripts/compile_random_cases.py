@@ -85,7 +85,8 @@ def _signature(fn, given: dict):
             sig[name], consts[(i,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + TYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # fresh allocations and the views the draws take are aligned
+            if value.data_ptr() % 16 == 0:  # as a launch sees it (the rope view of an MLA buffer starts Dc in)
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             sig[name] = "fp32"
         elif value == 1:
