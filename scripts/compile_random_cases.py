@@ -56,9 +56,10 @@ def _as_on_gpu() -> None:
     default_config = td.default_config
     td.default_config = lambda rows, d_qk, d_v, dtype, *, mla, device: default_config(rows, d_qk, d_v, dtype,
                                                                                         mla=mla, device=cuda)
-    td._num_sms = lambda device: SMS
-    td._paged_gqa_wide = lambda mla, paged, page_size, cfg, programs, device: (
-        not mla and paged and page_size == 64 and cfg.num_warps == 4 and cfg.block_n == 128 and programs >= SMS)
+    paged_gqa_wide = td._paged_gqa_wide
+    td._paged_gqa_wide = lambda mla, paged, page_size, cfg, programs, device: paged_gqa_wide(mla, paged, page_size, cfg,
+                                                                                           programs, cuda)
+    td._num_sms = lambda device: SMS  # the H200's, whatever device the rules are given
 
     def alloc(*shape, dtype=None, device=None):
         return torch.empty(*shape, dtype=dtype, device=device)
