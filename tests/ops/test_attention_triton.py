@@ -75,7 +75,9 @@ def _grads(fn, inputs, do):
 
 
 def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k_mul=1.0, device="cpu",
-           strided=True, pad_d=5):
+           strided=True, pad_d=5, tiles=None):
+    """``tiles``: (forward, dK/dV, dQ) configs for the launchers, called directly; None goes through the autograd
+    function and its own choice."""
     scale = dqk ** -0.5 if scale is None else scale
     q = (torch.randn(b, hq, m, dqk, device=device) * q_mul).to(dtype)
     k = (torch.randn(b, hkv, n, dqk, device=device) * k_mul).to(dtype)
@@ -93,9 +95,13 @@ def _check(b, hq, hkv, m, n, dqk, dv, causal, dtype, *, scale=None, q_mul=1.0, k
     leaves = [t.detach().requires_grad_() for t in (qs, ks, vs)]
     if strided:
         assert not leaves[1].is_contiguous() and leaves[1].stride(-2) != leaves[1].shape[-1], leaves[1].stride()
-    o, lse = flash_attention(*leaves, causal, scale)
-    o.backward(do)
-    grads = [t.grad for t in leaves]
+    if tiles is None:
+        o, lse = flash_attention(*leaves, causal, scale)
+        o.backward(do)
+        grads = [t.grad for t in leaves]
+    else:
+        o, lse = flash_attn_fwd(*leaves, causal, scale, config=tiles[0])
+        grads = flash_attn_bwd(do, *leaves, o, lse, causal, scale, dkdv_config=tiles[1], dq_config=tiles[2])
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     o_ref, lse_ref = attention_oracle(q64, k64, v64, causal=causal, scale=scale)
